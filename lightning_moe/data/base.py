@@ -1,0 +1,115 @@
+"""Shared machinery of the data modules: batch sizes, data-parallel sharding, resumable position."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe.data.distributed import data_parallel_rank_and_size
+from lightning_moe.data.sampler import DataParallelSampler, ResumableDataLoader
+
+log = logging.getLogger(__name__)
+
+
+class BaseDataModule(L.LightningDataModule):
+    """Base of the package's data modules.
+
+    The training position (``consumed_samples``, a global sample count) advances each time a
+    training batch reaches the model (``on_after_batch_transfer``), is returned by ``state_dict()``
+    (Lightning stores it in checkpoints) and restored by ``load_state_dict()``, so a resumed run
+    continues with exactly the next samples. Samplers shard by data-parallel rank; build the
+    Trainer with ``use_distributed_sampler=False`` or leave the default: the sampler is a
+    ``DistributedSampler`` subclass, which Lightning does not replace.
+
+    Args:
+        micro_batch_size: rows per data-parallel rank per step.
+        global_batch_size: rows per optimizer step over all data-parallel ranks; must be divisible by
+            ``micro_batch_size * dp_size`` (the quotient is the gradient-accumulation count). Default:
+            ``micro_batch_size * dp_size``.
+        seed: seed of the per-epoch shuffle.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(self, micro_batch_size: int = 1, global_batch_size: int | None = None, seed: int = 1234,
+                 num_workers: int = 0) -> None:
+        super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if global_batch_size is not None and (global_batch_size < 1 or global_batch_size % micro_batch_size):
+            raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
+                             f"micro_batch_size {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.consumed_samples = 0
+        self._train_sampler: DataParallelSampler | None = None
+
+    # -- sharding -------------------------------------------------------------------------------
+    def data_parallel_rank_and_size(self) -> tuple[int, int]:
+        return data_parallel_rank_and_size(self.trainer)
+
+    def resolved_global_batch_size(self) -> int:
+        _, dp_size = self.data_parallel_rank_and_size()
+        gbs = self.global_batch_size or self.micro_batch_size * dp_size
+        if gbs % (self.micro_batch_size * dp_size):
+            raise ValueError(
+                f"global_batch_size {gbs} must be divisible by micro_batch_size * data-parallel size = "
+                f"{self.micro_batch_size} * {dp_size} = {self.micro_batch_size * dp_size}"
+            )
+        return gbs
+
+    def _train_loader(self, dataset: Dataset, collate_fn: Callable, shuffle: bool = True) -> DataLoader:
+        rank, size = self.data_parallel_rank_and_size()
+        gbs = self.resolved_global_batch_size()
+        trainer = self.trainer
+        accumulate = gbs // (self.micro_batch_size * size)
+        if trainer is not None and getattr(trainer, "accumulate_grad_batches", accumulate) != accumulate:
+            rank_zero_warn(f"global_batch_size {gbs} = micro_batch_size {self.micro_batch_size} x dp {size} x "
+                           f"{accumulate}, but the Trainer accumulates {trainer.accumulate_grad_batches} batches")
+        self._train_sampler = DataParallelSampler(
+            dataset, rank, size, self.micro_batch_size, gbs, shuffle=shuffle, seed=self.seed,
+            consumed_samples=self.consumed_samples,
+        )
+        return ResumableDataLoader(
+            dataset, batch_size=self.micro_batch_size, sampler=self._train_sampler, collate_fn=collate_fn,
+            num_workers=self.num_workers, drop_last=True, persistent_workers=False,
+        )
+
+    def _eval_loader(self, dataset: Dataset, collate_fn: Callable) -> DataLoader:
+        """In-order evaluation, sharded by data-parallel rank (a final partial step is dropped)."""
+        rank, size = self.data_parallel_rank_and_size()
+        sampler = DataParallelSampler(dataset, rank, size, self.micro_batch_size, shuffle=False)
+        return DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
+                          num_workers=self.num_workers, drop_last=True)
+
+    # -- position -------------------------------------------------------------------------------
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            self.advance(1)
+        return batch
+
+    def advance(self, num_micro_batches: int) -> None:
+        """Count ``num_micro_batches`` training steps (of every data-parallel rank) as consumed."""
+        _, size = self.data_parallel_rank_and_size()
+        self.consumed_samples += num_micro_batches * self.micro_batch_size * size
+        if self._train_sampler is not None:
+            self._train_sampler.consumed_samples = self.consumed_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed,
+                "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("seed", self.seed) != self.seed:
+            rank_zero_warn(f"resuming with seed {self.seed} but the checkpoint used {state_dict['seed']}: "
+                           "the sample order differs from the original run")
+        self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        if self._train_sampler is not None:
+            self._train_sampler.consumed_samples = self.consumed_samples

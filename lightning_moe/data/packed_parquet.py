@@ -1,0 +1,194 @@
+"""Packed SFT datasets on disk: ``packed.parquet`` + ``metadata.json`` in one folder.
+
+Each parquet row is one pack, stored without its end padding (added at collate time):
+
+- ``input_ids`` (list<int32>): the samples' tokens, each sample padded to a multiple of ``pad_seq_to_mult``;
+- ``labels`` (list<int32>): shifted labels, -100 where there is no loss (padding, prompts, sample ends);
+- ``seq_start_id`` (list<int32>): offset of each sample in the row (positions restart there).
+
+``metadata.json`` records the packing (``packing_efficiency``, ``packing_factor``,
+``max_samples_per_pack``, ``packed_sequence_size``, ...) and what was packed. The same folder is
+written by ``lightning-moe data pack`` and by the on-the-fly cache, and read by :class:`PackedDataset`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lightning_moe.data.formats import IGNORE_INDEX
+from lightning_moe.data.packing import PACKERS, packing_stats, round_up
+
+log = logging.getLogger(__name__)
+PACKED_FILE = "packed.parquet"
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+OVERLONG = ("drop", "truncate")
+
+
+@dataclass
+class TokenizedSamples:
+    """Variable-length samples as flat arrays: sample ``i`` is ``ids[offsets[i]:offsets[i + 1]]``."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def from_lists(cls, ids: list[list[int]], labels: list[list[int]]) -> TokenizedSamples:
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in ids], out=offsets[1:])
+        flat = lambda xs: np.fromiter((t for x in xs for t in x), dtype=np.int64, count=int(offsets[-1]))  # noqa: E731
+        return cls(flat(ids), flat(labels), offsets)
+
+
+def write_packed_dataset(
+    output_dir: str, samples: TokenizedSamples, packed_sequence_size: int, pad_seq_to_mult: int = 1,
+    pad_id: int = 0, packing: str = "ffd", overlong: str = "drop", metadata: dict[str, Any] | None = None,
+    rows_per_group: int = 2048,
+) -> dict[str, Any]:
+    """Pack ``samples`` and write ``output_dir`` (through a temporary folder renamed at the end).
+
+    Over-long samples (longer than ``packed_sequence_size`` after padding to ``pad_seq_to_mult``) are
+    dropped, or cut to the pack size with ``overlong="truncate"``; samples left without any label
+    token are dropped too. Both counts go into the metadata and the log. Returns the metadata.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    psize, mult = packed_sequence_size, pad_seq_to_mult
+    if mult < 1 or psize % mult:
+        raise ValueError(f"packed_sequence_size {psize} must be a positive multiple of pad_seq_to_mult {mult}")
+    if packing not in PACKERS:
+        raise ValueError(f"packing must be one of {', '.join(PACKERS)}, got {packing!r}")
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong must be 'drop' or 'truncate', got {overlong!r}")
+
+    lengths = samples.lengths
+    padded = -(-lengths // mult) * mult
+    too_long = padded > psize
+    keep_len = np.minimum(lengths, psize)
+    if overlong == "truncate":
+        ends = samples.offsets[:-1] + keep_len
+        has_label = np.array([(samples.labels[s:e] != IGNORE_INDEX).any()
+                              for s, e in zip(samples.offsets[:-1][too_long], ends[too_long])], dtype=bool)
+        truncated_ok = np.zeros(len(samples), dtype=bool)
+        truncated_ok[np.flatnonzero(too_long)[has_label]] = True
+        keep = ~too_long | truncated_ok
+        num_truncated, num_dropped = int(truncated_ok.sum()), int((too_long & ~truncated_ok).sum())
+    else:
+        keep = ~too_long
+        num_truncated, num_dropped = 0, int(too_long.sum())
+    if num_dropped or num_truncated:
+        log.info("packing: %d over-long samples (> %d tokens) dropped, %d truncated", num_dropped, psize, num_truncated)
+    kept = np.flatnonzero(keep)
+    if len(kept) == 0:
+        raise ValueError(f"no sample fits in packed_sequence_size {psize} ({len(samples)} samples, all over-long)")
+    kept_padded = np.minimum(padded[kept], psize)
+    bins = PACKERS[packing](kept_padded, psize)
+    stats = packing_stats(bins, kept_padded, psize)
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                        ("seq_start_id", pa.list_(pa.int32()))])
+    tmp = f"{output_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with pq.ParquetWriter(os.path.join(tmp, PACKED_FILE), schema) as writer:
+        for g in range(0, len(bins), rows_per_group):
+            cols: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": [], "seq_start_id": []}
+            for b in bins[g:g + rows_per_group]:
+                ids_parts, lab_parts, starts, pos = [], [], [], 0
+                for k in b:
+                    i = int(kept[k])
+                    s, n, width = int(samples.offsets[i]), int(keep_len[i]), int(kept_padded[k])
+                    starts.append(pos)
+                    ids_parts += [samples.ids[s:s + n], np.full(width - n, pad_id)]
+                    lab_parts += [samples.labels[s:s + n], np.full(width - n, IGNORE_INDEX)]
+                    pos += width
+                cols["input_ids"].append(np.concatenate(ids_parts).astype(np.int32))
+                cols["labels"].append(np.concatenate(lab_parts).astype(np.int32))
+                cols["seq_start_id"].append(np.asarray(starts, dtype=np.int32))
+            writer.write_table(pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()},
+                                        schema=schema))
+    meta = {
+        "format_version": FORMAT_VERSION, **stats.to_dict(), "pad_seq_to_mult": mult, "packing": packing,
+        "overlong": overlong, "num_input_samples": len(samples), "num_dropped_overlong": num_dropped,
+        "num_truncated": num_truncated, "pad_id": pad_id, "num_label_tokens": int(
+            sum(int((samples.labels[samples.offsets[i]:samples.offsets[i] + keep_len[i]] != IGNORE_INDEX).sum())
+                for i in kept)),
+        **(metadata or {}),
+    }
+    with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    if os.path.isdir(output_dir):
+        shutil.rmtree(output_dir)
+    os.replace(tmp, output_dir)
+    return meta
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    meta_path = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(meta_path) or not os.path.isfile(os.path.join(path, PACKED_FILE)):
+        raise FileNotFoundError(f"{path}: not a packed dataset folder (needs {PACKED_FILE} and {METADATA_FILE})")
+    with open(meta_path, encoding="utf-8") as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path}: invalid JSON ({e.msg})") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return meta
+
+
+class PackedDataset:
+    """Packed rows from a folder written by :func:`write_packed_dataset`.
+
+    ``ds[i]`` is a dict of int64 arrays ``input_ids``, ``labels``, ``position_ids`` (restarting at
+    every ``seq_start_id``), without end padding; :class:`~lightning_moe.data.collate.Collator` pads.
+    """
+
+    def __init__(self, path: str) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self.metadata = read_metadata(path)
+        table = pq.read_table(os.path.join(path, PACKED_FILE))
+        missing = {"input_ids", "labels", "seq_start_id"} - set(table.column_names)
+        if missing:
+            raise ValueError(f"{path}/{PACKED_FILE}: columns {sorted(missing)} missing "
+                             f"(found: {', '.join(table.column_names)})")
+        self._cols = {}
+        for name in ("input_ids", "labels", "seq_start_id"):
+            arr = table.column(name).combine_chunks()
+            self._cols[name] = (arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy())
+        n_ids, n_lab = (np.diff(self._cols[k][1]) for k in ("input_ids", "labels"))
+        bad = np.flatnonzero(n_ids != n_lab)
+        if len(bad):
+            raise ValueError(f"{path}/{PACKED_FILE} row {int(bad[0])}: input_ids and labels differ in length")
+
+    def __len__(self) -> int:
+        return len(self._cols["input_ids"][1]) - 1
+
+    def _row(self, name: str, i: int) -> np.ndarray:
+        values, offsets = self._cols[name]
+        return values[offsets[i]:offsets[i + 1]].astype(np.int64)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        ids = self._row("input_ids", i)
+        starts = self._row("seq_start_id", i)
+        positions = np.arange(len(ids)) - np.repeat(starts, np.diff(np.append(starts, len(ids))))
+        return {"input_ids": ids, "labels": self._row("labels", i), "position_ids": positions}

@@ -1,0 +1,182 @@
+"""Tokenizer loading, a small trainable byte-level BPE, and chat-template assistant masks.
+
+Any Hugging Face tokenizer directory or hub id loads through ``AutoTokenizer``. Assistant-token
+masks come from the chat template's ``{% generation %}`` blocks when the template has them, and
+otherwise from rendering conversation prefixes: the text added by an assistant turn is the text
+between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# ChatML-style template. The assistant turn, including its end-of-turn token, sits in a
+# `{% generation %}` block so `apply_chat_template(..., return_assistant_tokens_mask=True)` marks it.
+# The header ends with a newline outside the block, so no token straddles the block's start.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "{{ message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+
+
+def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int = 4096) -> None:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it as a transformers tokenizer directory.
+
+    The directory holds ``tokenizer.json`` and ``tokenizer_config.json`` with ``<s>``/``</s>``/``<pad>``
+    as bos/eos/pad and :data:`CHAT_TEMPLATE` as the chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *CHAT_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        additional_special_tokens=CHAT_TOKENS, chat_template=CHAT_TEMPLATE, model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
+    tmp = f"{output_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+    # The chat template goes inline into tokenizer_config.json (older transformers read only that),
+    # and the generic fast-tokenizer class name loads in transformers 4 and 5 alike.
+    hf.save_pretrained(tmp, save_jinja_files=False)
+    config_path = os.path.join(tmp, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    if os.path.isdir(output_dir):
+        import shutil
+
+        shutil.rmtree(output_dir)
+    os.replace(tmp, output_dir)
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """Load a Hugging Face tokenizer from a local directory or a hub id.
+
+    Args:
+        name_or_path: tokenizer directory (with ``tokenizer.json`` / ``tokenizer_config.json``) or hub id.
+        revision: hub revision (branch, tag or commit); ignored for local directories.
+        trust_remote_code: passed to ``AutoTokenizer``.
+    """
+    from transformers import AutoTokenizer
+
+    is_local = os.path.isdir(name_or_path)
+    if not is_local and (os.path.sep in name_or_path and not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path)):
+        raise FileNotFoundError(f"tokenizer: directory {name_or_path!r} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(
+            name_or_path, revision=None if is_local else revision, trust_remote_code=trust_remote_code
+        )
+    except OSError as e:
+        raise FileNotFoundError(f"tokenizer {name_or_path!r} could not be loaded: {e}") from e
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A stable hash of the tokenizer's vocabulary, merges, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:  # slow tokenizer: the vocabulary is what defines it
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    extra = [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, getattr(tokenizer, "chat_template", None)]
+    h.update(json.dumps(extra, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The pad id, falling back to eos (pads never carry loss nor attention, so any id works)."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def has_generation_blocks(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def chat_tokens_and_assistant_spans(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], method: str = "auto"
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tokenize a conversation with the chat template; return ``(ids, [(start, end) per assistant turn])``.
+
+    Spans are token index ranges, one per assistant message in order. ``method`` is ``"generation"``
+    (template ``{% generation %}`` blocks), ``"prefix"`` (render prefixes) or ``"auto"``.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat_template; the 'messages' format needs one")
+    if method == "auto":
+        method = "generation" if has_generation_blocks(tokenizer) else "prefix"
+    n_assistant = sum(1 for m in messages if m["role"] == "assistant")
+    if method == "generation":
+        out = tokenizer.apply_chat_template(
+            list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids = list(out["input_ids"])
+        spans = _runs(out["assistant_masks"])
+        if len(spans) != n_assistant:
+            # adjacent assistant turns could merge into one run only if the template put nothing between them
+            raise ValueError(f"chat template marked {len(spans)} assistant spans for {n_assistant} assistant turns")
+        return ids, spans
+    if method != "prefix":
+        raise ValueError(f"unknown assistant mask method {method!r} (use auto, generation or prefix)")
+    full = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    char_spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False)
+        if not full.startswith(upto) or not upto.startswith(before):
+            raise ValueError("the chat template does not render conversations prefix-consistently; "
+                             "assistant masks need {% generation %} blocks in this template")
+        char_spans.append((len(before), len(upto)))
+    spans = []
+    for c0, c1 in char_spans:
+        toks = [t for t, (s, e) in enumerate(offsets) if e > c0 and s < c1 and e > s]
+        spans.append((toks[0], toks[-1] + 1) if toks else (0, 0))
+    return ids, spans
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, v in enumerate(list(mask) + [0]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
