@@ -1,0 +1,64 @@
+"""Registry of native families, keyed by Hugging Face architecture name and by family name."""
+
+from __future__ import annotations
+
+import importlib
+
+from lightning_moe.models.families.base import Family, TensorMap
+
+# family module names; each defines FAMILY
+_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+_by_architecture: dict[str, Family] = {}
+_by_name: dict[str, Family] = {}
+
+
+def _load() -> None:
+    if _by_name:
+        return
+    for module in _MODULES:
+        family: Family = importlib.import_module(f"{__name__}.{module}").FAMILY
+        _by_name[family.name] = family
+        for arch in family.architectures:
+            _by_architecture[arch] = family
+
+
+def supported_architectures() -> list[str]:
+    _load()
+    return sorted(_by_architecture)
+
+
+def family_for_architecture(architecture: str) -> Family:
+    _load()
+    if architecture not in _by_architecture:
+        raise ValueError(
+            f"architecture {architecture!r} has no native implementation; supported: {', '.join(supported_architectures())}"
+        )
+    return _by_architecture[architecture]
+
+
+def family_by_name(name: str) -> Family:
+    _load()
+    if name not in _by_name:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(_by_name))}")
+    return _by_name[name]
+
+
+def family_for_hf_config(hf: dict) -> Family:
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ValueError(
+            f"config.json has no 'architectures' entry (model_type={hf.get('model_type')!r}); "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    return family_for_architecture(architectures[0])
+
+
+__all__ = [
+    "Family",
+    "TensorMap",
+    "family_by_name",
+    "family_for_architecture",
+    "family_for_hf_config",
+    "supported_architectures",
+]

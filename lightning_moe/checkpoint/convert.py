@@ -1,0 +1,146 @@
+"""Import a Hugging Face checkpoint, export one, and verify two of them tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.checkpoint.safetensors_io import SafetensorsDir, ShardedWriter
+from lightning_moe.checkpoint.source import (
+    AUX_FILES,
+    HF_CONFIG,
+    NATIVE_CONFIG,
+    ORIGINAL_HF_CONFIG,
+    HFCheckpoint,
+    open_checkpoint,
+)
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.families import family_by_name
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def copy_aux_files(source: Path, destination: Path) -> list[str]:
+    copied = []
+    for name in AUX_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)
+            copied.append(name)
+    return copied
+
+
+def import_hf_checkpoint(hf_dir: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                         overwrite: bool = False) -> Path:
+    """Hugging Face directory -> native checkpoint directory (native names, original dtypes, streamed)."""
+    source = HFCheckpoint(hf_dir)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for name, tensor in source.iter_native():
+            writer.add(name, tensor)
+        writer.finish()
+        source.config.save(tmp / NATIVE_CONFIG)
+        (tmp / ORIGINAL_HF_CONFIG).write_text(json.dumps(source.hf_config, indent=2) + "\n")
+        copy_aux_files(source.directory, tmp)
+    return Path(out)
+
+
+def export_hf_tensors(
+    config: ModelConfig,
+    native: Callable[[str], torch.Tensor],
+    out: str | Path,
+    *,
+    hf_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    aux_dir: Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a transformers-loadable directory from native tensors fetched one at a time by ``native(name)``."""
+    family = family_by_name(config.family)
+    hf = dict(hf_config) if hf_config is not None else family.to_hf_config(config)
+    if dtype is not None:
+        hf["dtype"] = str(dtype).removeprefix("torch.")
+        hf.pop("torch_dtype", None)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for m in family.weight_map(config):
+            tensor = native(m.native)
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            parts = m.to_hf(tensor)
+            for name, part in zip(m.hf, parts, strict=True):
+                writer.add(name, part)
+        writer.finish()
+        (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        if aux_dir is not None:
+            copy_aux_files(aux_dir, tmp)
+    return Path(out)
+
+
+def export_hf_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Native (or Hugging Face) checkpoint directory -> Hugging Face directory."""
+    source = open_checkpoint(ckpt)
+    return export_hf_tensors(
+        source.config, source.get_native, out, hf_config=source.hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes,
+        aux_dir=source.directory, overwrite=overwrite,
+    )
+
+
+def export_model(model: torch.nn.Module, out: str | Path, *, hf_config: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None, aux_dir: Path | None = None, overwrite: bool = False) -> Path:
+    """An in-memory (unsharded) native model -> Hugging Face directory."""
+    state = model.state_dict()
+    return export_hf_tensors(model.config, state.__getitem__, out, hf_config=hf_config, dtype=dtype,
+                             aux_dir=aux_dir, overwrite=overwrite)
+
+
+@dataclass
+class VerifyReport:
+    tensors: int = 0
+    parameters: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        head = f"{self.tensors:,} tensors, {self.parameters:,} parameters"
+        if self.ok:
+            return f"{head}: all match in name, shape, dtype and value"
+        return f"{head}: {len(self.mismatches)} mismatch(es)\n" + "\n".join(f"  {m}" for m in self.mismatches)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8) if tensor.element_size() and tensor.numel() else tensor
+
+
+def verify_hf_checkpoints(reference: str | Path, candidate: str | Path) -> VerifyReport:
+    """Compare two safetensors directories: names, shapes, dtypes and bitwise values."""
+    ref, cand = SafetensorsDir(reference), SafetensorsDir(candidate)
+    report = VerifyReport()
+    ref_names, cand_names = set(ref.keys()), set(cand.keys())
+    report.mismatches += [f"{n}: missing from candidate" for n in sorted(ref_names - cand_names)]
+    report.mismatches += [f"{n}: not in reference" for n in sorted(cand_names - ref_names)]
+    for name in sorted(ref_names & cand_names):
+        report.tensors += 1
+        shape, dtype = ref.shape(name), ref.dtype(name)
+        report.parameters += int(torch.Size(shape).numel())
+        if cand.shape(name) != shape:
+            report.mismatches.append(f"{name}: shape {shape} != {cand.shape(name)}")
+        elif cand.dtype(name) != dtype:
+            report.mismatches.append(f"{name}: dtype {dtype} != {cand.dtype(name)}")
+        else:
+            a, b = ref.get(name), cand.get(name)
+            if not torch.equal(_bits(a), _bits(b)):
+                diff = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "n/a"
+                report.mismatches.append(f"{name}: values differ (max abs diff {diff})")
+    return report

@@ -1,0 +1,72 @@
+"""Put checkpoint weights into a model: a fresh one built on the meta device, or a sharded one in place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_moe.checkpoint.source import open_checkpoint
+from lightning_moe.models.decoder import Decoder
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), leaf
+
+
+def assign_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                   device: torch.device | str = "cpu") -> None:
+    """Replace meta parameters/buffers by checkpoint tensors (keeping their dtype unless ``dtype`` is given);
+    non-persistent buffers still on meta are running state and start at zero."""
+    for name, tensor in tensors:
+        module, leaf = _owner(model, name)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.to(device)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+        else:
+            module._buffers[leaf] = tensor
+    for module in model.modules():
+        for leaf, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[leaf] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+
+
+@torch.no_grad()
+def copy_tensors_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy full checkpoint tensors into a materialized model whose parameters may be DTensor shards:
+    each rank keeps only its own slice. Returns the number of tensors copied."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = model.state_dict(keep_vars=True)
+    count = 0
+    for name, full in tensors:
+        if name not in state:
+            raise ValueError(f"checkpoint tensor {name!r} has no counterpart in the model")
+        target = state[name]
+        if tuple(full.shape) != tuple(target.shape):
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
+        if isinstance(target, DTensor):
+            local_shape, offset = compute_local_shape_and_global_offset(
+                full.shape, target.device_mesh, target.placements
+            )
+            piece = full[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
+            target.to_local().copy_(piece)
+        else:
+            target.copy_(full)
+        count += 1
+    return count
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Decoder:
+    """A native model with the weights of a Hugging Face directory or an imported checkpoint."""
+    source = open_checkpoint(path)
+    with torch.device("meta"):
+        model = Decoder(source.config)
+    assign_tensors(model, source.iter_native(), dtype=dtype, device=device)
+    return model.eval()

@@ -1,0 +1,119 @@
+"""Sharded safetensors directories: lazy per-tensor reads, and a writer that flushes shard by shard."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsDir:
+    """Tensor names -> files of a (sharded) safetensors checkpoint; tensors are read one at a time."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._handles: dict[Path, object] = {}
+        index = self.directory / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"{index}: not a safetensors index ({err})") from err
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+            for file in set(self.files.values()):
+                if not file.exists():
+                    raise FileNotFoundError(f"{index} names shard {file.name}, which does not exist")
+        else:
+            shards = sorted(self.directory.glob("*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"{self.directory}: no *.safetensors files and no {INDEX_NAME}")
+            self.files = {}
+            for shard in shards:
+                for name in self._open(shard).keys():
+                    self.files[name] = shard
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(f"{file}: unreadable safetensors file ({err})") from err
+        return self._handles[file]
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.files[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._open(self.files[name]).get_slice(name).get_dtype()]
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._open(self.files[name]).get_tensor(name)
+        except Exception as err:
+            raise ValueError(f"{self.files[name]}: cannot read tensor {name!r} ({err})") from err
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardedWriter:
+    """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes``."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> None:
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = metadata or {"format": "pt"}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._pending or any(name in shard for shard in self._shards):
+            raise ValueError(f"tensor {name!r} written twice")
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        index = len(self._shards)
+        save_file(self._pending, str(self.directory / f".shard-{index:05d}.safetensors"), metadata=self.metadata)
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Name the shards ``model-0000k-of-0000n`` now that n is known, and write the index."""
+        if self._pending or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        weight_map, names = {}, []
+        for i, tensors in enumerate(self._shards):
+            name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.directory / f".shard-{i:05d}.safetensors", self.directory / name)
+            names.append(name)
+            weight_map.update({t: name for t in tensors})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        return names

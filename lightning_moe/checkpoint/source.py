@@ -1,0 +1,147 @@
+"""Checkpoints that weights can be read from, as native tensors one at a time.
+
+* :class:`HFCheckpoint`: a Hugging Face model directory (``config.json`` + safetensors), translated by its family.
+* :class:`NativeCheckpoint`: what ``lightning-moe convert import`` writes: native tensor names,
+  ``model_config.json``, and the original ``hf_config.json`` so that export reproduces the hub files.
+
+Both validate every name and shape against the model before a single tensor is read, so a wrong
+checkpoint fails at once with the offending tensor named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.families import Family, family_by_name, family_for_hf_config
+
+HF_CONFIG = "config.json"
+NATIVE_CONFIG = "model_config.json"
+ORIGINAL_HF_CONFIG = "hf_config.json"
+# files that travel with the weights (tokenizer, generation settings, processors)
+AUX_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path.parent}: missing {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Native names -> meta tensors (shape and default dtype) of the model described by ``config``."""
+    from lightning_moe.models.decoder import Decoder
+
+    with torch.device("meta"):
+        return dict(Decoder(config).state_dict())
+
+
+def _summarize(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+class HFCheckpoint:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"{self.directory}: not a directory")
+        self.hf_config = read_json(self.directory / HF_CONFIG)
+        self.family: Family = family_for_hf_config(self.hf_config)
+        self.config = self.family.from_hf_config(self.hf_config)
+        self.reader = SafetensorsDir(self.directory)
+        self.maps = self.family.weight_map(self.config)
+        self._by_native = {m.native: m for m in self.maps}
+        self._validate()
+
+    def _validate(self) -> None:
+        reader, expected = self.reader, expected_tensors(self.config)
+        consumed = {name for m in self.maps for name in m.hf}
+        missing = sorted(name for name in consumed if name not in reader)
+        if missing:
+            raise ValueError(f"{self.directory}: missing tensor(s) {_summarize(missing)}")
+        ignored = self.family.ignored_hf_tensors
+        unexpected = sorted(n for n in reader.keys() if n not in consumed and not any(p in n for p in ignored))
+        if unexpected:
+            raise ValueError(f"{self.directory}: unexpected tensor(s) {_summarize(unexpected)} for {self.family.name}")
+        mapped = {m.native for m in self.maps}
+        unmapped = sorted(set(expected) - mapped)
+        if unmapped:
+            raise ValueError(f"family {self.family.name}: no hub tensor maps to {_summarize(unmapped)}")
+        for m in self.maps:
+            metas = [torch.empty(reader.shape(n), dtype=reader.dtype(n), device="meta") for n in m.hf]
+            try:
+                shape = tuple(m.to_native(metas).shape)
+            except RuntimeError as err:
+                shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(m.hf, metas))
+                raise ValueError(f"{self.directory}: tensors {shapes} do not combine into {m.native} ({err})") from err
+            want = tuple(expected[m.native].shape)
+            if shape != want:
+                source = m.hf[0] if len(m.hf) == 1 else f"{m.hf[0]} (and {len(m.hf) - 1} more)"
+                raise ValueError(
+                    f"{self.directory}: tensor {source} has shape {shape if len(m.hf) > 1 else metas[0].shape}, "
+                    f"the model expects {want} for {m.native}"
+                )
+
+    def get_native(self, name: str) -> torch.Tensor:
+        m = self._by_native[name]
+        return m.to_native([self.reader.get(hf) for hf in m.hf])
+
+    def iter_native(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for m in self.maps:
+            yield m.native, self.get_native(m.native)
+
+
+class NativeCheckpoint:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.config = ModelConfig.load(self.directory / NATIVE_CONFIG)
+        original = self.directory / ORIGINAL_HF_CONFIG
+        self.hf_config = read_json(original) if original.exists() else None
+        self.family = family_by_name(self.config.family)
+        self.reader = SafetensorsDir(self.directory)
+        expected = expected_tensors(self.config)
+        missing = sorted(set(expected) - set(self.reader.keys()))
+        unexpected = sorted(set(self.reader.keys()) - set(expected))
+        if missing:
+            raise ValueError(f"{self.directory}: missing tensor(s) {_summarize(missing)}")
+        if unexpected:
+            raise ValueError(f"{self.directory}: unexpected tensor(s) {_summarize(unexpected)}")
+        for name, meta in expected.items():
+            if self.reader.shape(name) != tuple(meta.shape):
+                raise ValueError(
+                    f"{self.directory}: tensor {name} has shape {self.reader.shape(name)}, the model expects {tuple(meta.shape)}"
+                )
+        self.names = list(expected)
+
+    def get_native(self, name: str) -> torch.Tensor:
+        return self.reader.get(name)
+
+    def iter_native(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names:
+            yield name, self.reader.get(name)
+
+
+def open_checkpoint(path: str | Path) -> HFCheckpoint | NativeCheckpoint:
+    """A native checkpoint (``model_config.json``) or a Hugging Face directory (``config.json``)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if (path / NATIVE_CONFIG).exists():
+        return NativeCheckpoint(path)
+    if (path / HF_CONFIG).exists():
+        return HFCheckpoint(path)
+    raise FileNotFoundError(f"{path}: missing config.json (Hugging Face) or {NATIVE_CONFIG} (imported checkpoint)")

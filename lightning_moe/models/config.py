@@ -1,0 +1,247 @@
+"""Model configuration: one dataclass tree that describes every supported architecture.
+
+A model is a *layer pattern* over a small set of blocks (see DESIGN "One decoder, many families"):
+
+    ``*`` attention (GQA, or MLA when ``attention.type == "mla"``)
+    ``M`` Mamba-2 mixer
+    ``-`` dense MLP
+    ``E`` mixture of experts
+
+Each symbol is one pre-norm residual block, so Llama's 4 layers are ``"*-*-*-*-"`` and a Nemotron-H
+pattern such as ``"MEM*E"`` maps one symbol to one hub layer. Family files translate Hugging Face
+configs into this tree; nothing here knows about any particular hub checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+BLOCK_SYMBOLS = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
+
+
+@dataclass
+class RopeConfig:
+    """Rotary position embedding. ``type``: default | llama3 | yarn | none (no positional embedding)."""
+
+    type: Literal["default", "llama3", "yarn", "none"] = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    # llama3 scaling
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn scaling
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # rotate only the first ``partial_rotary_factor`` of each head (GLM)
+    partial_rotary_factor: float = 1.0
+    # pairs (0,1),(2,3)... instead of halves (DeepSeek's rope_interleave)
+    interleave: bool = False
+
+
+@dataclass
+class AttentionConfig:
+    """Attention mixer. ``type="gqa"`` covers MHA/GQA/MQA; ``type="mla"`` is DeepSeek's latent attention."""
+
+    type: Literal["gqa", "mla"] = "gqa"
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    # learned per-head sink logits that take part in the softmax (GPT-OSS)
+    sinks: bool = False
+    sliding_window: int | None = None
+    # per attention block (in pattern order): True = use ``sliding_window``; None = every block uses it
+    sliding_window_layers: list[bool] | None = None
+    softmax_scale: float | None = None
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    backend: Literal["sdpa", "flex", "te"] = "sdpa"
+    # MLA (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def window_for(self, attention_index: int) -> int | None:
+        """Sliding window of the ``attention_index``-th attention block, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None:
+            return self.sliding_window
+        return self.sliding_window if self.sliding_window_layers[attention_index] else None
+
+
+@dataclass
+class MLPConfig:
+    """Dense feed-forward. ``activation``: swiglu (gated SiLU) | relu2 (squared ReLU, ungated)."""
+
+    intermediate_size: int = 1024
+    activation: Literal["swiglu", "relu2"] = "swiglu"
+    bias: bool = False
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts with stacked expert weights."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    intermediate_size: int = 512
+    # swiglu | relu2 | swiglu_clamped (GPT-OSS: clamp, sigmoid(alpha*g)*g*(u+1))
+    activation: Literal["swiglu", "relu2", "swiglu_clamped"] = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # biases inside the expert linears (GPT-OSS)
+    num_shared_experts: int = 0
+    shared_intermediate_size: int | None = None  # default: intermediate_size * num_shared_experts
+    router_bias: bool = False  # bias of the router linear (GPT-OSS)
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1  # group-limited top-k: experts split in n_group groups,
+    topk_group: int = 1  # of which topk_group are kept per token
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    # aux-loss-free balancing: a bias added to the scores for expert *selection* only
+    score_correction_bias: bool = False
+    bias_update_rate: float = 0.0
+    aux_loss_coeff: float = 0.0
+    force_balanced: bool = False  # benchmarks: round-robin routing, ignores the router's choice
+    latent_size: int | None = None  # Nemotron LatentMoE: experts run in a smaller latent width
+    backend: Literal["grouped_mm", "loop"] = "grouped_mm"
+
+    @property
+    def shared_size(self) -> int:
+        return self.shared_intermediate_size or self.intermediate_size * self.num_shared_experts
+
+
+@dataclass
+class MambaConfig:
+    """Mamba-2 mixer (SSD)."""
+
+    num_heads: int = 8
+    head_dim: int = 64
+    state_size: int = 128
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    time_step_min: float = 0.001
+    time_step_max: float = 0.1
+    time_step_floor: float = 1e-4
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class MTPConfig:
+    """Multi-token prediction: ``num_layers`` depths, each a small stack described by ``pattern``."""
+
+    num_layers: int = 0
+    pattern: str = "*E"
+    loss_scale: float = 0.3
+    # keep the MTP weights (they round-trip through checkpoints) but skip their compute and loss
+    enabled: bool = True
+
+
+@dataclass
+class ModelConfig:
+    """The whole model. ``family`` names the Hugging Face architecture file used for import/export."""
+
+    family: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    pattern: str = "*-*-"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp: MLPConfig | None = field(default_factory=MLPConfig)
+    moe: MoEConfig | None = None
+    mamba: MambaConfig | None = None
+    mtp: MTPConfig | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    init_std: float = 0.02
+    # tokens per chunk of the fused output-layer cross entropy
+    loss_chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.pattern) - set(BLOCK_SYMBOLS))
+        if unknown:
+            raise ValueError(
+                f"ModelConfig.pattern {self.pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
+            )
+        needs = {"-": ("mlp", self.mlp), "E": ("moe", self.moe), "M": ("mamba", self.mamba)}
+        for symbol, (key, sub) in needs.items():
+            if symbol in self.pattern and sub is None:
+                raise ValueError(f"ModelConfig.pattern contains {symbol!r} but ModelConfig.{key} is not set")
+        att = self.attention
+        if "*" in self.pattern and att.type == "gqa" and att.num_heads % att.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.attention: num_heads={att.num_heads} is not a multiple of num_kv_heads={att.num_kv_heads}"
+            )
+        if att.sliding_window_layers is not None and len(att.sliding_window_layers) != self.pattern.count("*"):
+            raise ValueError(
+                f"ModelConfig.attention.sliding_window_layers has {len(att.sliding_window_layers)} entries, "
+                f"the pattern has {self.pattern.count('*')} attention blocks"
+            )
+        if self.moe is not None and self.moe.top_k > self.moe.num_experts:
+            raise ValueError(f"ModelConfig.moe.top_k={self.moe.top_k} > num_experts={self.moe.num_experts}")
+        if self.moe is not None and self.moe.num_experts % self.moe.n_group:
+            raise ValueError(f"ModelConfig.moe.num_experts={self.moe.num_experts} not divisible by n_group")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pattern)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return _from_dict(cls, data, "ModelConfig")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+_SUBCONFIGS = {
+    "rope": RopeConfig,
+    "attention": AttentionConfig,
+    "mlp": MLPConfig,
+    "moe": MoEConfig,
+    "mamba": MambaConfig,
+    "mtp": MTPConfig,
+}
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; expected some of {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        if key in _SUBCONFIGS and isinstance(value, dict):
+            value = _from_dict(_SUBCONFIGS[key], value, f"{where}.{key}")
+        elif key == "time_step_limit" and value is not None:
+            value = tuple(float(v) for v in value)
+        kwargs[key] = value
+    return cls(**kwargs)

@@ -1,0 +1,156 @@
+"""The generic decoder: embeddings -> one pre-norm residual block per pattern symbol -> norm -> output layer.
+
+Every family (Llama, Qwen, Mixtral, DeepSeek-V3, GPT-OSS, Nemotron-H, ...) is this module with a different
+:class:`ModelConfig`; parallelism, precision converters and LoRA are applied from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.layers.attention import Attention
+from lightning_moe.models.layers.loss import linear_cross_entropy
+from lightning_moe.models.layers.mlp import MLP
+from lightning_moe.models.layers.moe import MoE
+from lightning_moe.models.layers.norm import RMSNorm
+from lightning_moe.models.layers.sequence import SequenceLayout
+
+
+@dataclass
+class LossOutput:
+    """Sums, not means: the training module divides by the label tokens of the whole global batch."""
+
+    loss_sum: torch.Tensor  # summed cross entropy of the main head (fp32)
+    num_label_tokens: torch.Tensor  # tokens with a label in this micro-batch
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing losses, coefficients applied (a mean)
+    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)  # per MTP depth, unscaled sums
+    mtp_label_tokens: list[torch.Tensor] = field(default_factory=list)
+
+
+def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Module:
+    """The module behind one pattern symbol."""
+    if symbol == "*":
+        att = cfg.attention
+        if att.type == "mla":
+            from lightning_moe.models.layers.mla import MLA
+
+            cls = MLA
+        else:
+            cls = Attention
+        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps, att.window_for(attention_index))
+    if symbol == "M":
+        from lightning_moe.models.layers.mamba2 import Mamba2Mixer
+
+        return Mamba2Mixer(cfg.mamba, cfg.hidden_size)
+    if symbol == "-":
+        return MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.mlp.bias)
+    if symbol == "E":
+        return MoE(cfg.moe, cfg.hidden_size)
+    raise ValueError(f"unknown block symbol {symbol!r}")
+
+
+BLOCK_ATTRIBUTE = {"*": "attn", "M": "mamba", "-": "mlp", "E": "moe"}
+
+
+class Block(nn.Module):
+    """``x + op(norm(x))`` where op is attention, Mamba-2, MLP or MoE. The op's attribute name says which."""
+
+    def __init__(self, symbol: str, cfg: ModelConfig, attention_index: int = 0) -> None:
+        super().__init__()
+        self.symbol = symbol
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.op_name = BLOCK_ATTRIBUTE[symbol]
+        self.add_module(self.op_name, build_mixer(symbol, cfg, attention_index))
+        self.mixes_sequence = symbol in "*M"
+
+    @property
+    def op(self) -> nn.Module:
+        return getattr(self, self.op_name)
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        h = self.norm(x)
+        return x + (self.op(h, layout) if self.mixes_sequence else self.op(h))
+
+
+def build_blocks(pattern: str, cfg: ModelConfig) -> nn.ModuleDict:
+    blocks, attention_index = {}, 0
+    for i, symbol in enumerate(pattern):
+        blocks[str(i)] = Block(symbol, cfg, attention_index)
+        attention_index += symbol == "*"
+    return nn.ModuleDict(blocks)
+
+
+class Decoder(nn.Module):
+    """``forward(input_ids, position_ids=None)`` -> logits [batch, seq, vocab];
+    ``forward(input_ids, position_ids, labels=labels)`` -> :class:`LossOutput` (fused, chunked output layer)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = build_blocks(config.pattern, config)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if config.mtp is not None and config.mtp.num_layers > 0:
+            from lightning_moe.models.layers.mtp import MultiTokenPrediction
+
+            self.mtp = MultiTokenPrediction(config)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every parameter (after meta-device construction and ``to_empty``)."""
+        std = self.config.init_std
+        nn.init.normal_(self.embed.weight, std=std)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for module in self.modules():
+            if module is self:
+                continue
+            # plain torch layers are initialized by the block that owns them, with the config's std
+            if hasattr(module, "reset_parameters") and not isinstance(module, (nn.Embedding, nn.Linear)):
+                module.reset_parameters(std)
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def hidden_states(self, input_ids: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        """Output of the last block, before the final norm."""
+        h = self.embed(input_ids)
+        for block in self.layers.values():
+            h = block(h, layout)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | LossOutput:
+        layout = SequenceLayout.from_inputs(input_ids, position_ids)
+        hidden = self.hidden_states(input_ids, layout)
+        final = self.norm(hidden)
+        if labels is None:
+            return F.linear(final, self.output_weight)
+        loss_sum, count = linear_cross_entropy(final, self.output_weight, labels, self.config.loss_chunk_size)
+        out = LossOutput(loss_sum=loss_sum, num_label_tokens=count, aux_loss=self._collect_aux_loss())
+        if self.mtp is not None and self.config.mtp.enabled:
+            out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self)
+        return out
+
+    def _collect_aux_loss(self) -> torch.Tensor | None:
+        losses = []
+        for moe in self.moe_layers():
+            if moe.aux_loss is not None:
+                losses.append(moe.aux_loss)
+                moe.aux_loss = None
+        return torch.stack(losses).sum() if losses else None

@@ -1,0 +1,90 @@
+"""What a family file provides: HF config <-> ModelConfig, and the weight-name map both ways.
+
+A :class:`TensorMap` ties one native tensor to the hub tensor(s) it is made of. Most are renames; stacked
+experts gather one hub tensor per expert. Both directions are exact (stack/unbind, slicing), so an
+import followed by an export is bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_moe.models.config import ModelConfig
+
+
+def _single(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return tensors[0]
+
+
+def _as_list(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return [tensor]
+
+
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(tensors))
+
+
+def _unbind(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return list(tensor.unbind(0))
+
+
+@dataclass
+class TensorMap:
+    """``native`` tensor = ``to_native(hub tensors named hf)``; hub tensors = ``to_hf(native tensor)``."""
+
+    native: str
+    hf: tuple[str, ...]
+    to_native: Callable[[Sequence[torch.Tensor]], torch.Tensor] = _single
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]] = _as_list
+
+    @classmethod
+    def rename(cls, native: str, hf: str) -> TensorMap:
+        return cls(native, (hf,))
+
+    @classmethod
+    def stacked(cls, native: str, hf_per_expert: Sequence[str]) -> TensorMap:
+        return cls(native, tuple(hf_per_expert), _stack, _unbind)
+
+
+@dataclass
+class Family:
+    """One Hugging Face architecture. Subclasses implement the three translations."""
+
+    name: str
+    architectures: tuple[str, ...]
+    model_type: str
+    # hub tensors that carry no weights of their own (e.g. cached rotary tables); skipped on import
+    ignored_hf_tensors: tuple[str, ...] = field(default=())
+
+    def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def weight_map(self, cfg: ModelConfig) -> list[TensorMap]:
+        raise NotImplementedError
+
+
+def require(hf: dict[str, Any], key: str, architecture: str, *aliases: str) -> Any:
+    """A key the family cannot guess (or one of its older ``aliases``): a clear error when config.json lacks it."""
+    for name in (key, *aliases):
+        if hf.get(name) is not None:
+            return hf[name]
+    raise ValueError(f"config.json ({architecture}): required key {key!r} is missing")
+
+
+def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in ``rope_parameters``; older configs use rope_theta/rope_scaling."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    return params

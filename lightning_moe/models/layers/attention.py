@@ -1,0 +1,133 @@
+"""Grouped-query attention with ``sdpa`` and ``flex`` backends (and ``te`` when Transformer Engine is installed).
+
+Packed rows: the decoder builds one :class:`~lightning_moe.models.layers.sequence.SequenceLayout` per forward
+from ``position_ids``; every backend gets its masks from it, so no token attends across a sequence boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.models.config import AttentionConfig
+from lightning_moe.models.layers.norm import RMSNorm
+from lightning_moe.models.layers.rope import RotaryEmbedding, apply_rotary
+from lightning_moe.models.layers.sequence import SequenceLayout
+
+_compiled_flex = None
+
+
+def flex_attention(*args, **kwargs):
+    """torch's flex_attention, compiled once per process (the eager fallback materializes full scores)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        _compiled_flex = torch.compile(flex, dynamic=False)
+    return _compiled_flex(*args, **kwargs)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SequenceLayout,
+    *,
+    backend: str,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention over [batch, heads, seq, dim] tensors (k/v may have fewer heads: GQA).
+
+    ``sinks`` [heads] are extra logits that join every row's softmax without a value (GPT-OSS).
+    """
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        block_mask = layout.block_mask(window)
+        if sinks is None:
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        out, aux = flex_attention(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+        )
+        return _apply_sinks(out, aux.lse, sinks)
+    if backend == "sdpa":
+        mask = layout.dense_mask(window)
+        if sinks is not None:
+            return _eager_with_sinks(q, k, v, layout.dense_mask(window, force=True), scale, sinks)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    if backend == "te":
+        from lightning_moe.models.layers.te_attention import te_attend
+
+        return te_attend(q, k, v, layout, scale=scale, window=window)
+    raise ValueError(f"attention backend {backend!r} is not supported (sdpa, flex, te)")
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    # softmax over [scores, sink] = softmax(scores) * sum(exp(scores)) / (sum(exp(scores)) + exp(sink))
+    weight = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
+    return (out.float() * weight[..., None]).to(out.dtype)
+
+
+def _eager_with_sinks(q, k, v, mask, scale, sinks):
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads, optional qk-norm, biases, sinks and sliding window."""
+
+    def __init__(self, cfg: AttentionConfig, hidden_size: int, max_position_embeddings: int,
+                 norm_eps: float, window: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window
+        self.scale = cfg.softmax_scale or self.head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=cfg.out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, norm_eps)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.sinks else None
+        self.rotary = (
+            RotaryEmbedding(cfg.rope, cfg.head_dim, max_position_embeddings) if cfg.rope.type != "none" else None
+        )
+
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            nn.init.normal_(linear.weight, std=init_std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
+
+    def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # heads may be sharded by tensor parallelism: infer them from the local projection width
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = self.rotary(layout.position_ids, q.dtype)
+            q = apply_rotary(q, cos, sin, self.cfg.rope.interleave)
+            k = apply_rotary(k, cos, sin, self.cfg.rope.interleave)
+        out = attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout,
+            backend=self.cfg.backend, scale=self.scale, window=self.window, sinks=self.sinks,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,0 +1,77 @@
+"""Output layer fused with cross entropy, chunked over tokens.
+
+Full-vocabulary fp32 logits for a whole batch are the largest activation of a small-hidden, large-vocab
+model. Here logits exist for one chunk of tokens at a time; their gradient is computed in the same pass
+(cross entropy is the last op), so backward is a scale and no logits are kept or recomputed. Tokens
+without a label are skipped entirely.
+
+Labels are already shifted (``labels[t]`` is the target of position ``t``); -100 means no loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]
+            y = labels[start : start + chunk_size]
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss_sum += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if need_hidden_grad or need_weight_grad:
+                grad_logits = torch.exp(logits.sub_(lse[:, None]))
+                grad_logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                grad_logits = grad_logits.to(h.dtype)
+                if need_hidden_grad:
+                    grad_hidden[start : start + chunk_size] = grad_logits @ weight
+                if need_weight_grad:
+                    grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropy losses of ``hidden @ weight.T`` against ``labels``, and the label count.
+
+    ``hidden`` [..., H], ``weight`` [V, H], ``labels`` [...] with -100 for no loss. Returns fp32
+    ``(loss_sum, num_label_tokens)``; divide by the *global* label count to get the mean.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    keep = torch.nonzero(labels != IGNORE_INDEX, as_tuple=True)[0]
+    count = keep.numel()
+    if count == 0:
+        # keep the graph connected so every rank runs the same backward
+        return (hidden.sum() + weight.sum()).float() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
+    if count < labels.numel():
+        hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
+    loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    return loss_sum, torch.tensor(count, device=hidden.device)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Plain (unfused) summed cross entropy over already-computed logits, in fp32."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

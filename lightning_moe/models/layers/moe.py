@@ -1,0 +1,249 @@
+"""Mixture of experts: router, stacked experts (grouped GEMM or the per-expert loop reference), shared experts.
+
+Expert weights are stacked ``[num_experts, out, in]`` per projection (``gate_proj``, ``up_proj``,
+``down_proj``), the orientation of ``nn.Linear`` and of the hub's per-expert tensors, so import/export
+is a pure stack/unstack and tensor/expert parallelism shard plain dimensions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe.models.config import MoEConfig
+from lightning_moe.models.layers.mlp import MLP
+
+
+@dataclass
+class Routing:
+    """Per token: the chosen experts [T, k], their gate weights [T, k] and the router scores [T, E]."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+
+
+class Router(nn.Module):
+    """Top-k router: softmax or sigmoid scores, optional group-limited selection and selection-only bias."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+        if cfg.score_correction_bias:
+            # aux-loss-free balancing (DeepSeek-V3): picks experts, never weights them
+            self.register_buffer("score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.score_correction_bias = None
+
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        nn.init.normal_(self.weight, std=init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        if self.score_correction_bias is not None:
+            nn.init.zeros_(self.score_correction_bias)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.cfg
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)
+        scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+        if cfg.force_balanced:
+            slots = torch.arange(x.shape[0] * cfg.top_k, device=x.device)
+            experts = (slots % cfg.num_experts).view(-1, cfg.top_k)
+        else:
+            choice = scores if self.score_correction_bias is None else scores + self.score_correction_bias
+            if cfg.n_group > 1:
+                choice = self._limit_groups(choice)
+            experts = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return Routing(experts=experts, weights=weights, scores=scores)
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        grouped = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+
+
+def load_balancing_loss(routing: Routing, num_experts: int, top_k: int, score_func: str) -> torch.Tensor:
+    """Switch-style auxiliary loss ``E * sum_i f_i * P_i`` (f: routed fraction, P: mean probability)."""
+    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.scores.dtype)
+    fraction = counts / routing.experts.numel()
+    probs = routing.scores
+    if score_func == "sigmoid":
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` feed-forwards stored as stacked tensors, run as one grouped GEMM per projection."""
+
+    def __init__(self, cfg: MoEConfig, dim: int, num_experts: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.activation = cfg.activation
+        # experts may be split by expert parallelism: this module holds only its local ones
+        self.num_experts = num_experts or cfg.num_experts
+        inter = cfg.intermediate_size
+        gated = cfg.activation != "relu2"
+        self.gate_proj = nn.Parameter(torch.empty(self.num_experts, inter, dim)) if gated else None
+        self.up_proj = nn.Parameter(torch.empty(self.num_experts, inter, dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, dim, inter))
+        if cfg.expert_bias:
+            self.gate_bias = nn.Parameter(torch.empty(self.num_experts, inter)) if gated else None
+            self.up_bias = nn.Parameter(torch.empty(self.num_experts, inter))
+            self.down_bias = nn.Parameter(torch.empty(self.num_experts, dim))
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
+
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        for param in (self.gate_proj, self.up_proj, self.down_proj):
+            if param is not None:
+                nn.init.normal_(param, std=init_std)
+        for bias in (self.gate_bias, self.up_bias, self.down_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return F.silu(gate) * up
+        if self.activation == "relu2":
+            return torch.square(F.relu(up))
+        # GPT-OSS: clamped gate and up, sigmoid-weighted gate, shifted up
+        limit, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, dim] sorted by expert, ``counts`` [num_experts] rows per expert -> [N, dim]."""
+        if self.cfg.backend == "loop":
+            return self.forward_loop(x, counts)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        def project(weight: torch.Tensor, bias: torch.Tensor | None, inp: torch.Tensor) -> torch.Tensor:
+            out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offsets)
+            if bias is not None:
+                out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=inp.shape[0])
+            return out
+
+        gate = project(self.gate_proj, self.gate_bias, x) if self.gate_proj is not None else None
+        hidden = self._activate(gate, project(self.up_proj, self.up_bias, x))
+        return project(self.down_proj, self.down_bias, hidden)
+
+    def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Reference: one plain matmul per expert (kept for tests and for backends without grouped GEMM)."""
+        outputs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            def linear(weight, bias, inp, e=e):
+                return F.linear(inp, weight[e], None if bias is None else bias[e])
+
+            gate = linear(self.gate_proj, self.gate_bias, rows) if self.gate_proj is not None else None
+            hidden = self._activate(gate, linear(self.up_proj, self.up_bias, rows))
+            outputs.append(linear(self.down_proj, self.down_bias, hidden))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
+class TokenDispatcher:
+    """Sorts token copies by expert and scatters expert outputs back. Expert parallelism replaces this
+    with an all-to-all dispatcher of the same interface (``parallel/expert.py``)."""
+
+    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
+        flat = routing.experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        token_index = order // routing.experts.shape[1]
+        return x[token_index], counts, (order, token_index)
+
+    def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
+        order, token_index = state
+        weights = routing.weights.flatten()[order].to(out.dtype)
+        result = out.new_zeros(num_tokens, out.shape[-1])
+        return result.index_add_(0, token_index, out * weights[:, None])
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared experts and latent projection) with load-balancing bookkeeping."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg, hidden_size)
+        expert_dim = cfg.latent_size or hidden_size
+        if cfg.latent_size:
+            self.fc1_latent_proj = nn.Linear(hidden_size, cfg.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(cfg.latent_size, hidden_size, bias=False)
+        self.experts = GroupedExperts(cfg, expert_dim)
+        self.shared_experts = (
+            MLP(hidden_size, cfg.shared_size, "relu2" if cfg.activation == "relu2" else "swiglu")
+            if cfg.num_shared_experts
+            else None
+        )
+        self.dispatcher = TokenDispatcher()
+        # tokens routed to each expert since the last bias update (aux-loss-free balancing)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        self.router.reset_parameters(init_std)
+        self.experts.reset_parameters(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters(init_std)
+        if self.cfg.latent_size:
+            nn.init.normal_(self.fc1_latent_proj.weight, std=init_std)
+            nn.init.normal_(self.fc2_latent_proj.weight, std=init_std)
+        nn.init.zeros_(self.tokens_per_expert)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(
+                    routing.experts.flatten(), minlength=self.cfg.num_experts
+                ).to(self.tokens_per_expert.dtype)
+            if self.cfg.aux_loss_coeff > 0:
+                self.aux_loss = self.cfg.aux_loss_coeff * load_balancing_loss(
+                    routing, self.cfg.num_experts, self.cfg.top_k, self.cfg.score_func
+                )
+        routed_in = self.fc1_latent_proj(tokens) if self.cfg.latent_size else tokens
+        sorted_x, counts, state = self.dispatcher.dispatch(routed_in, routing, self.cfg.num_experts)
+        routed = self.dispatcher.combine(self.experts(sorted_x, counts), routing, state, tokens.shape[0])
+        if self.cfg.latent_size:
+            routed = self.fc2_latent_proj(routed)
+        out = routed.view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, process_group=None) -> None:
+    """After an optimizer step: ``bias += rate * sign(mean_load - load)`` for every aux-free MoE layer.
+
+    Token counts are summed over the data-parallel group first, so every rank applies the same update.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.router.score_correction_bias is not None]
+    if not layers:
+        return
+    counts = torch.stack([m.tokens_per_expert for m in layers])
+    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        torch.distributed.all_reduce(counts, group=process_group)
+    for layer, load in zip(layers, counts):
+        rate = layer.cfg.bias_update_rate
+        if rate > 0 and load.sum() > 0:
+            bias = layer.router.score_correction_bias
+            bias += (rate * torch.sign(load.mean() - load)).to(bias.dtype)
+        layer.tokens_per_expert.zero_()

@@ -1,0 +1,74 @@
+"""Multi-token prediction (DeepSeek-V3, Nemotron-H): extra depths that each predict one token further ahead.
+
+Depth ``d`` combines the previous depth's normalized hidden state at position ``t`` with the embedding of
+token ``t + d``: ``h = eh_proj([enorm(embed(x[t+d])), hnorm(h_prev[t])])``, runs its own small block stack
+(``MTPConfig.pattern``) and a final norm, and is scored by the shared output layer against the target of
+``t + d`` (labels are pre-shifted, so that is ``labels[t + d]``). Targets that fall into the next packed
+sequence, or past the end of the row, are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.layers.loss import IGNORE_INDEX, linear_cross_entropy
+from lightning_moe.models.layers.norm import RMSNorm
+from lightning_moe.models.layers.sequence import SequenceLayout
+
+
+class MTPDepth(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        from lightning_moe.models.decoder import build_blocks
+
+        hidden = config.hidden_size
+        self.enorm = RMSNorm(hidden, config.norm_eps)
+        self.hnorm = RMSNorm(hidden, config.norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = build_blocks(config.mtp.pattern, config)
+        self.final_norm = RMSNorm(hidden, config.norm_eps)
+        self._init_std = config.init_std
+
+    def reset_parameters(self, init_std: float | None = None) -> None:
+        nn.init.normal_(self.eh_proj.weight, std=init_std or self._init_std)
+
+    def forward(self, embedded: torch.Tensor, previous: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        for block in self.layers.values():
+            h = block(h, layout)
+        return self.final_norm(h)
+
+
+def shift_left(x: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
+    """``x[:, t + steps]`` at position ``t``; the last ``steps`` positions get ``fill``."""
+    out = torch.full_like(x, fill)
+    out[:, :-steps] = x[:, steps:]
+    return out
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.depths = nn.ModuleList(MTPDepth(config) for _ in range(config.mtp.num_layers))
+
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                layout: SequenceLayout, decoder: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``hidden``: the main model's final normalized hidden states. Returns per-depth loss sums and counts."""
+        docs = layout.document_ids
+        loss_sums, counts = [], []
+        previous = hidden
+        for d, depth in enumerate(self.depths, start=1):
+            ahead_ids = shift_left(input_ids, d, 0)
+            target = shift_left(labels, d, IGNORE_INDEX)
+            same_sequence = shift_left(docs, d, -1) == docs
+            target = target.masked_fill(~same_sequence, IGNORE_INDEX)
+            previous = depth(decoder.embed(ahead_ids), previous, layout)
+            loss_sum, count = linear_cross_entropy(
+                previous, decoder.output_weight, target, self.config.loss_chunk_size
+            )
+            loss_sums.append(loss_sum)
+            counts.append(count)
+        return loss_sums, counts

@@ -1,0 +1,86 @@
+"""Where the sequences of a (possibly packed) batch start and end, and the attention masks that follow.
+
+A packed row holds several sequences back to back; a ``position_ids`` value of 0 starts a new one. All
+mixers read boundaries from here: attention masks (dense for sdpa, block masks for flex), Mamba's
+per-sequence scan restarts (``document_ids``), and varlen ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+
+class SequenceLayout:
+    def __init__(self, position_ids: torch.Tensor, packed: bool | None = None) -> None:
+        self.position_ids = position_ids
+        self.batch, self.seq_len = position_ids.shape
+        # one host sync per forward: unpacked batches take the fast causal kernels
+        self.packed = bool((position_ids[:, 1:] == 0).any()) if packed is None else packed
+        self._masks: dict = {}
+
+    @classmethod
+    def from_inputs(cls, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> SequenceLayout:
+        if position_ids is None:
+            seq = torch.arange(input_ids.shape[1], device=input_ids.device)
+            return cls(seq.unsqueeze(0).expand(input_ids.shape[0], -1), packed=False)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        return cls(position_ids)
+
+    @cached_property
+    def document_ids(self) -> torch.Tensor:
+        """[batch, seq] index of the sequence each token belongs to (0, 1, ... within each row)."""
+        return torch.cumsum(self.position_ids == 0, dim=1) - (self.position_ids[:, :1] == 0).long()
+
+    @cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Cumulative sequence lengths over the flattened batch (int32), the varlen kernels' format."""
+        starts = self.position_ids == 0
+        starts[:, 0] = True
+        idx = torch.nonzero(starts.flatten(), as_tuple=True)[0].to(torch.int32)
+        total = torch.tensor([self.batch * self.seq_len], dtype=torch.int32, device=idx.device)
+        return torch.cat([idx, total])
+
+    def dense_mask(self, window: int | None = None, force: bool = False) -> torch.Tensor | None:
+        """Boolean [batch, 1, seq, seq] mask (True = attend), or None where plain causal attention is exact."""
+        if not (self.packed or window is not None or force):
+            return None
+        key = ("dense", window)
+        if key not in self._masks:
+            idx = torch.arange(self.seq_len, device=self.position_ids.device)
+            mask = idx[:, None] >= idx[None, :]
+            if window is not None:
+                mask = mask & (idx[:, None] - idx[None, :] < window)
+            mask = mask[None]
+            if self.packed:
+                docs = self.document_ids
+                mask = mask & (docs[:, :, None] == docs[:, None, :])
+            self._masks[key] = mask.expand(self.batch, -1, -1).unsqueeze(1)
+        return self._masks[key]
+
+    def block_mask(self, window: int | None = None):
+        """flex_attention BlockMask for causal attention within each sequence (and window)."""
+        key = ("block", window)
+        if key not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            docs = self.document_ids
+            packed = self.packed
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                keep = q_idx >= kv_idx
+                if window is not None:
+                    keep = keep & (q_idx - kv_idx < window)
+                if packed:
+                    keep = keep & (docs[b, q_idx] == docs[b, kv_idx])
+                return keep
+
+            batch = self.batch if packed else None
+            self._masks[key] = create_block_mask(
+                mask_mod, batch, None, self.seq_len, self.seq_len, device=self.position_ids.device
+            )
+        return self._masks[key]
