@@ -1,0 +1,109 @@
+"""``lightning-moe data ...``: offline packing, indexed-dataset building, sample files.
+
+    lightning-moe data pack --dataset FILE_OR_HUB_ID --tokenizer DIR --preset tulu3 \\
+        --packed-sequence-size 4096 [--pad-seq-to-mult 8] --output DIR
+    lightning-moe data index --input FILE.jsonl --tokenizer DIR --output-prefix PREFIX [--json-key text]
+    lightning-moe data samples --output DIR
+
+Errors print one line to stderr and return a non-zero status; outputs appear only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lightning_moe.data.formats import FORMATS, PRESETS
+from lightning_moe.data.packing import PACKERS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-moe data", description="Data preparation.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pack = sub.add_parser("pack", help="tokenize and pack SFT rows into parquet + metadata JSON")
+    pack.add_argument("--dataset", required=True, help="jsonl/json/parquet file, save_to_disk folder or hub id")
+    pack.add_argument("--tokenizer", required=True, help="tokenizer directory or hub id")
+    pack.add_argument("--output", required=True, help="output folder (packed.parquet + metadata.json)")
+    pack.add_argument("--split", default="train", help="split, with optional slice: train[:100000]")
+    pack.add_argument("--revision", default=None, help="hub revision")
+    pack.add_argument("--dataset-name", default=None, help="hub configuration name")
+    pack.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    pack.add_argument("--format", choices=FORMATS, default=None)
+    pack.add_argument("--messages-column", default=None)
+    pack.add_argument("--last-turn-only", action="store_true", default=None)
+    pack.add_argument("--prompt-template", default=None, help="e.g. 'Problem: {problem} Solution:'")
+    pack.add_argument("--completion-column", default=None)
+    pack.add_argument("--separator", default=None)
+    pack.add_argument("--use-chat-template", action="store_true", default=None)
+    pack.add_argument("--packed-sequence-size", type=int, required=True)
+    pack.add_argument("--pad-seq-to-mult", type=int, default=1)
+    pack.add_argument("--packing", choices=sorted(PACKERS), default="ffd")
+    pack.add_argument("--overlong", choices=("drop", "truncate"), default="drop")
+    pack.add_argument("--skip-invalid-rows", action="store_true")
+    pack.add_argument("--num-proc", type=int, default=None, help="tokenization worker processes")
+
+    index = sub.add_parser("index", help="tokenize a JSONL text file into Megatron .bin/.idx files")
+    index.add_argument("--input", required=True, help="JSON-lines file, one document per row")
+    index.add_argument("--tokenizer", required=True, help="tokenizer directory or hub id")
+    index.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    index.add_argument("--json-key", default="text")
+    index.add_argument("--append-eod", action="store_true", help="append the eos token to every document")
+
+    samples = sub.add_parser("samples", help="write synthetic sample files and a small tokenizer")
+    samples.add_argument("--output", required=True)
+    samples.add_argument("--seed", type=int, default=0)
+    samples.add_argument("--vocab-size", type=int, default=4096)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "pack":
+            result = _pack(args)
+        elif args.command == "index":
+            result = _index(args)
+        else:
+            from lightning_moe.data.samples import write_sample_files
+
+            result = write_sample_files(args.output, seed=args.seed, vocab_size=args.vocab_size)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"lightning-moe data {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> dict:
+    from lightning_moe.data.sft import build_packed_sft, make_sample_format
+    from lightning_moe.data.tokenizer import load_tokenizer
+
+    fmt = make_sample_format(
+        args.preset, args.format, messages_column=args.messages_column, last_turn_only=args.last_turn_only,
+        prompt_template=args.prompt_template, completion_column=args.completion_column, separator=args.separator,
+        use_chat_template=args.use_chat_template,
+    )
+    tokenizer = load_tokenizer(args.tokenizer, args.revision)
+    meta = build_packed_sft(
+        args.output, args.dataset, tokenizer, fmt, args.packed_sequence_size, args.pad_seq_to_mult, args.packing,
+        args.overlong, args.split, args.revision, args.dataset_name, args.num_proc, None, args.skip_invalid_rows,
+    )
+    keys = ("num_packs", "num_samples", "packing_efficiency", "packing_factor", "max_samples_per_pack",
+            "num_dropped_overlong", "num_truncated", "num_skipped_invalid")
+    return {"output": args.output, **{k: meta[k] for k in keys}}
+
+
+def _index(args: argparse.Namespace) -> dict:
+    from lightning_moe.data.indexed import build_indexed_dataset_from_jsonl
+    from lightning_moe.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    stats = build_indexed_dataset_from_jsonl(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
+                                             append_eod=args.append_eod)
+    return {"output_prefix": args.output_prefix, **stats}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
