@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from lightning_moe.data.formats import IGNORE_INDEX
-from lightning_moe.data.packing import PACKERS, packing_stats, round_up
+from lightning_moe.data.packing import PACKERS, packing_stats
 
 log = logging.getLogger(__name__)
 PACKED_FILE = "packed.parquet"

@@ -214,7 +214,7 @@ def _math_problem(rng: random.Random) -> tuple[str, str, str]:
     else:
         n = rng.randint(3, 30)
         problem = f"What is the sum of the first {n} positive integers?"
-        steps = [f"The sum $1 + 2 + \\dots + n$ equals $\\frac{{n(n+1)}}{{2}}$.",
+        steps = ["The sum $1 + 2 + \\dots + n$ equals $\\frac{n(n+1)}{2}$.",
                  f"With $n = {n}$ this is $\\frac{{{n} \\cdot {n + 1}}}{{2}} = {n * (n + 1) // 2}$."]
         answer = str(n * (n + 1) // 2)
     # Long-tail solutions: some solutions re-check their work at length, like real model outputs.

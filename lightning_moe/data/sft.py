@@ -20,7 +20,12 @@ from torch.utils.data import DataLoader
 from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.collate import Collator
 from lightning_moe.data.formats import PRESETS, RowError, SampleFormat, shift_labels, tokenize_row
-from lightning_moe.data.packed_parquet import PackedDataset, TokenizedSamples, read_metadata, write_packed_dataset
+from lightning_moe.data.packed_parquet import (
+    PackedDataset,
+    TokenizedSamples,
+    read_metadata,
+    write_packed_dataset,
+)
 from lightning_moe.data.sources import load_source
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id, tokenizer_fingerprint
 
