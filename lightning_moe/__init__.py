@@ -1,1 +1,37 @@
-"""lightning_moe: Lightning-native training of dense, MoE and hybrid language models."""
+"""lightning_moe: Lightning-native training of dense, mixture-of-experts and hybrid language models.
+
+The public names below are imported on first use, so ``import lightning_moe`` stays fast and quiet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "CausalLM": "lightning_moe.modules.causal_lm",
+    "OptimizerConfig": "lightning_moe.modules.optim",
+    "SchedulerConfig": "lightning_moe.modules.optim",
+    "ModelConfig": "lightning_moe.models.config",
+    "Decoder": "lightning_moe.models.decoder",
+    "load_pretrained": "lightning_moe.checkpoint.load",
+    "import_hf_checkpoint": "lightning_moe.checkpoint.convert",
+    "export_hf_checkpoint": "lightning_moe.checkpoint.convert",
+    "verify_hf_checkpoints": "lightning_moe.checkpoint.convert",
+    "ParallelStrategy": "lightning_moe.parallel",
+    "MockDataModule": "lightning_moe.data",
+    "SFTDataModule": "lightning_moe.data",
+    "PretrainDataModule": "lightning_moe.data",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_moe' has no attribute {name!r}")

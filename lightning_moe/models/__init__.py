@@ -1,0 +1,13 @@
+"""Model configuration, the generic decoder and the per-family Hugging Face translations."""
+
+from lightning_moe.models.config import (
+    AttentionConfig,
+    MambaConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    RopeConfig,
+)
+
+__all__ = ["AttentionConfig", "MLPConfig", "MTPConfig", "MambaConfig", "ModelConfig", "MoEConfig", "RopeConfig"]

@@ -1,0 +1,67 @@
+"""``lightning-moe convert import|export|verify``: checkpoint conversion from the command line.
+
+User errors (missing files, unknown architectures, mismatched tensors) print one line and exit 1;
+outputs are written to a temporary directory and renamed, so a failed run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-moe convert", description=__doc__)
+    sub = parser.add_subparsers(dest="action", required=True)
+
+    imp = sub.add_parser("import", help="Hugging Face directory -> native checkpoint")
+    imp.add_argument("--hf-path", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="output directory")
+    imp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
+    imp.add_argument("--overwrite", action="store_true")
+
+    exp = sub.add_parser("export", help="native checkpoint -> Hugging Face directory")
+    exp.add_argument("--ckpt", required=True, help="checkpoint directory (imported or trained)")
+    exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
+    exp.add_argument("--overwrite", action="store_true")
+
+    ver = sub.add_parser("verify", help="compare two Hugging Face directories tensor by tensor")
+    ver.add_argument("--reference", required=True)
+    ver.add_argument("--candidate", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from lightning_moe.checkpoint import convert
+
+    try:
+        if args.action == "import":
+            out = convert.import_hf_checkpoint(
+                args.hf_path, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite
+            )
+            print(f"imported {args.hf_path} -> {out}")
+        elif args.action == "export":
+            out = convert.export_hf_checkpoint(
+                args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
+                overwrite=args.overwrite,
+            )
+            print(f"exported {args.ckpt} -> {out}")
+        else:
+            report = convert.verify_hf_checkpoints(args.reference, args.candidate)
+            print(report.summary())
+            return 0 if report.ok else 1
+    except (FileNotFoundError, FileExistsError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""``lightning-moe``: training through LightningCLI, plus the convert / data / report / slurm tools.
+
+    lightning-moe fit --config recipe.yaml [--trainer.max_steps 100 ...]
+    lightning-moe convert import --hf-path DIR --out DIR
+    lightning-moe convert export --ckpt DIR --out DIR [--dtype bfloat16]
+    lightning-moe convert verify --reference DIR --candidate DIR
+    lightning-moe data pack|index ...
+    lightning-moe report RUN_DIR
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
+# tool name -> module with ``main(argv) -> int``
+TOOLS = {
+    "convert": "lightning_moe.checkpoint.commands",
+    "data": "lightning_moe.data.commands",
+    "report": "lightning_moe.callbacks.report",
+    "slurm": "lightning_moe.slurm",
+}
+
+
+def run_training_cli(argv: list[str]) -> None:
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    # make the package's modules and data modules known to jsonargparse by their short names
+    importlib.import_module("lightning_moe.modules")
+    importlib.import_module("lightning_moe.data")
+    LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=argv,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    command = argv[0]
+    if command in TOOLS:
+        return importlib.import_module(TOOLS[command]).main(argv[1:])
+    run_training_cli(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""``CausalLM``: pretraining, SFT and LoRA of a native decoder under Lightning.
+
+The loss of an optimizer step is the sum of token losses divided by the label tokens of the *whole global
+batch* (all micro-batches and data-parallel ranks), Megatron's per-token loss. Each micro-batch backpropagates
+its raw loss sum; once the step's micro-batches are done, the global label count is all-reduced once and
+every gradient is rescaled before clipping. This is exact for packed SFT, where micro-batches and ranks
+carry very different numbers of label tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
+from lightning_moe.modules.step_stats import StepStats
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.decoder import Decoder, LossOutput
+
+
+class CausalLM(L.LightningModule):
+    """A causal language model trained on ``{input_ids, labels (pre-shifted), position_ids}`` batches.
+
+    Args:
+        model: the architecture; optional when ``pretrained`` is given (its config is used).
+        pretrained: a Hugging Face model directory or a checkpoint written by ``lightning-moe convert import``.
+            A missing path, or one whose tensors do not match ``model``, is an error, never a random start.
+        optimizer: AdamW settings.
+        scheduler: warmup + decay settings.
+        mtp_loss_scale: weight of each multi-token-prediction depth's loss (default: ``model.mtp.loss_scale``).
+        seed: seed of the weight initialization (every rank uses the same one).
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig | None = None,
+        pretrained: str | None = None,
+        optimizer: OptimizerConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        mtp_loss_scale: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if model is None and pretrained is None:
+            raise ValueError("CausalLM needs `model` (a ModelConfig) or `pretrained` (a checkpoint directory)")
+        self.save_hyperparameters()
+        self.model_config = model
+        self.pretrained = pretrained
+        self.optimizer_config = optimizer or OptimizerConfig()
+        self.scheduler_config = scheduler or SchedulerConfig()
+        self.mtp_loss_scale = mtp_loss_scale
+        self.seed = seed
+        self.model: Decoder | None = None
+        self.step_stats: StepStats | None = None
+        self._source = None
+        self._step_sums: dict[str, torch.Tensor] = {}
+        self._eval_sums: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ model construction
+    def _checkpoint(self):
+        if self._source is None and self.pretrained is not None:
+            from lightning_moe.checkpoint.source import open_checkpoint
+
+            self._source = open_checkpoint(Path(self.pretrained).expanduser())
+        return self._source
+
+    def resolved_config(self) -> ModelConfig:
+        source = self._checkpoint()
+        if self.model_config is None:
+            return source.config
+        return self.model_config
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        config = self.resolved_config()
+        with torch.device("meta"):
+            model = Decoder(config)
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:
+            parallelize(model)
+        model.to_empty(device=self.trainer.strategy.root_device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model.init_weights()
+        source = self._checkpoint()
+        if source is not None:
+            from lightning_moe.checkpoint.load import copy_tensors_into
+
+            copy_tensors_into(model, source.iter_native())
+        self.model = model
+
+    # ------------------------------------------------------------------ distributed bookkeeping
+    def _loss_group(self):
+        """Ranks whose label tokens share one normalization: data-parallel x context-parallel."""
+        strategy = self.trainer.strategy
+        if hasattr(strategy, "loss_reduction_group"):
+            return strategy.loss_reduction_group
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        group = self._loss_group()
+        if group is not None:
+            dist.all_reduce(tensor, group=group)
+        return tensor
+
+    def _reduction_size(self) -> int:
+        group = self._loss_group()
+        return dist.get_world_size(group) if group is not None else 1
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, position_ids)
+
+    def _loss_output(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        shard = getattr(self.trainer.strategy, "shard_batch", None)
+        if shard is not None:
+            batch = shard(batch)
+        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
+
+    def _mtp_scale(self) -> float:
+        if self.mtp_loss_scale is not None:
+            return self.mtp_loss_scale
+        mtp = self.model.config.mtp
+        return mtp.loss_scale if mtp is not None else 0.0
+
+    @staticmethod
+    def _accumulate(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        sums[name] = sums[name] + value if name in sums else value
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self._loss_output(batch)
+        sums = self._step_sums
+        self._accumulate(sums, "loss_sum", out.loss_sum)
+        self._accumulate(sums, "label_tokens", out.num_label_tokens)
+        self._accumulate(sums, "tokens", torch.tensor(batch["input_ids"].numel(), device=out.loss_sum.device))
+        objective = out.loss_sum
+        if out.aux_loss is not None:
+            # a mean-type loss: weight it by this micro-batch's share of label tokens
+            objective = objective + out.aux_loss * out.num_label_tokens
+            self._accumulate(sums, "aux_loss", out.aux_loss * out.num_label_tokens)
+        scale = self._mtp_scale()
+        for depth, (mtp_sum, mtp_count) in enumerate(zip(out.mtp_loss_sums, out.mtp_label_tokens), start=1):
+            objective = objective + scale * mtp_sum
+            self._accumulate(sums, f"mtp_{depth}_loss_sum", mtp_sum)
+            self._accumulate(sums, f"mtp_{depth}_tokens", mtp_count)
+        return objective
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        names = sorted(self._step_sums)
+        totals = self._all_reduce(torch.stack([self._step_sums[n] for n in names]))
+        step = dict(zip(names, totals.tolist()))
+        self._step_sums = {}
+        label_tokens = step["label_tokens"]
+        # undo the mean over reducing ranks and Lightning's 1/accumulate, divide by the global label count
+        factor = self._reduction_size() * self.trainer.accumulate_grad_batches / max(label_tokens, 1.0)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        loss = step["loss_sum"] / max(label_tokens, 1.0)
+        self.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
+        if "aux_loss" in step:
+            self.log("train/aux_loss", step["aux_loss"] / max(label_tokens, 1.0), rank_zero_only=True)
+        depth = 1
+        while f"mtp_{depth}_loss_sum" in step:
+            mtp = step[f"mtp_{depth}_loss_sum"] / max(step[f"mtp_{depth}_tokens"], 1.0)
+            self.log(f"train/mtp_{depth}_loss", mtp, rank_zero_only=True)
+            depth += 1
+        self.log("train/lr", optimizer.param_groups[0]["lr"], rank_zero_only=True)
+        self.step_stats = StepStats(
+            step=self.trainer.global_step + 1, loss=loss, tokens=int(step["tokens"]),
+            label_tokens=int(label_tokens), skipped=not grads,
+        )
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return
+        max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
+        clip = getattr(self.trainer.strategy, "clip_grad_norm", None)
+        norm = clip(params, max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.log("train/grad_norm", norm, rank_zero_only=True)
+        if self.step_stats is not None:
+            self.step_stats.grad_norm = norm
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        from lightning_moe.models.layers.moe import update_expert_bias
+
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        # aux-loss-free balancing: expert biases move right after the weights do
+        update_expert_bias(self.model, self._loss_group())
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
+        out = self._loss_output(batch)
+        self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
+        self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)
+
+    def _log_eval(self, prefix: str) -> None:
+        if not self._eval_sums:
+            return
+        totals = self._all_reduce(torch.stack([self._eval_sums["loss_sum"], self._eval_sums["label_tokens"]]))
+        self._eval_sums = {}
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        self.log(f"{prefix}/loss", loss, prog_bar=prefix == "val", rank_zero_only=True)
+        self.log(f"{prefix}/ppl", float(np.exp(min(loss, 50.0))), rank_zero_only=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self):
+        optimizer = build_adamw(self.model, self.optimizer_config)
+        scheduler = build_scheduler(
+            optimizer, self.scheduler_config, self.optimizer_config.lr, int(self.trainer.max_steps or 0)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ resume
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_states"] = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        if not states:
+            return
+        torch.set_rng_state(states["torch"])
+        np.random.set_state(states["numpy"])
+        random.setstate(states["python"])
+        if states.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])

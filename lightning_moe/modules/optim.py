@@ -1,0 +1,72 @@
+"""AdamW and the warmup + cosine (or linear / constant) schedule with Megatron-Bridge's knobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW. Weight decay applies to matrices only (not norms, biases or other 1-D parameters)."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    # None: the fused kernel on CUDA, torch's default (foreach) elsewhere
+    fused: bool | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """Linear warmup for ``warmup_iters`` steps, then decay to ``min_lr`` at ``lr_decay_iters``, then flat.
+
+    ``lr_decay_iters=None`` decays over the run (``trainer.max_steps``).
+    """
+
+    warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    min_lr: float = 0.0
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters (check freeze patterns and LoRA targets)")
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.fused
+    if fused is None:
+        fused = True if all(p.is_cuda for p in decay + no_decay) else None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+def lr_factor(step: int, cfg: SchedulerConfig, max_lr: float, total_steps: int) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based, before the step is taken)."""
+    if cfg.warmup_iters > 0 and step < cfg.warmup_iters:
+        return (step + 1) / cfg.warmup_iters
+    decay_end = cfg.lr_decay_iters or total_steps
+    min_factor = cfg.min_lr / max_lr if max_lr > 0 else 0.0
+    if cfg.decay_style == "constant" or decay_end <= cfg.warmup_iters:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_iters) / (decay_end - cfg.warmup_iters))
+    if cfg.decay_style == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_factor + (1.0 - min_factor) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_lr: float,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    if cfg.lr_decay_iters is None and total_steps <= 0 and cfg.decay_style != "constant":
+        raise ValueError("scheduler: set scheduler.lr_decay_iters or trainer.max_steps (the decay needs an end)")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_lr, total_steps))
