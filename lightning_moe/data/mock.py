@@ -53,9 +53,11 @@ class MockDataModule(BaseDataModule):
         ds = MockDataset(self.num_train_samples, self.seq_length, self.vocab_size, self.seed)
         return self._train_loader(ds, self.collate, shuffle=False)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
+        if self.num_val_samples == 0:
+            return []
         ds = MockDataset(self.num_val_samples, self.seq_length, self.vocab_size, self.seed + 1)
         return self._eval_loader(ds, self.collate)
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> DataLoader | list:
         return self.val_dataloader()

@@ -187,3 +187,12 @@ def test_lengths_scale(tokenizer, tulu_rows):
     lengths = [len(tokenize_row(r, tokenizer, SampleFormat())[0]) for r in tulu_rows]
     assert 15 <= min(lengths) <= 60 and 2000 <= max(lengths) <= 4000
     assert np.median(lengths) < 600
+
+
+def test_tokenization_workers_give_the_same_packs(tmp_path, tokenizer_path, data_dir):
+    one = _module(tmp_path / "a", tokenizer_path, data_dir)
+    two = _module(tmp_path / "b", tokenizer_path, data_dir, num_proc=2)
+    assert len(one.train_dataset) == len(two.train_dataset)
+    for i in range(len(one.train_dataset)):
+        for k in ("input_ids", "labels", "position_ids"):
+            assert np.array_equal(one.train_dataset[i][k], two.train_dataset[i][k])
