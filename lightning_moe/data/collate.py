@@ -7,7 +7,8 @@ Every data module yields batches with:
   at position ``t`` (the next token), -100 where there is no loss. The model's loss does not shift.
 - ``position_ids``: LongTensor [B, S], restarting at 0 at every sample start. Sample (and
   attention) boundaries are where positions restart; padding at the end of a row is its own run
-  starting at 0, with ``input_ids`` = pad id and labels -100.
+  starting at 0, with ``input_ids`` = pad id and labels -100. Tokens that pad a sample to a multiple
+  of ``pad_seq_to_mult`` continue that sample's positions (they belong to it, with labels -100).
 - ``num_label_tokens``: 0-d LongTensor, ``(labels != -100).sum()`` over the micro-batch.
 """
 

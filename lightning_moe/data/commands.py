@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--tokenizer", required=True, help="tokenizer directory or hub id")
     pack.add_argument("--output", required=True, help="output folder (packed.parquet + metadata.json)")
     pack.add_argument("--split", default="train", help="split, with optional slice: train[:100000]")
-    pack.add_argument("--revision", default=None, help="hub revision")
+    pack.add_argument("--revision", default=None, help="hub revision of the dataset")
+    pack.add_argument("--tokenizer-revision", default=None, help="hub revision of the tokenizer")
     pack.add_argument("--dataset-name", default=None, help="hub configuration name")
     pack.add_argument("--preset", choices=sorted(PRESETS), default=None)
     pack.add_argument("--format", choices=FORMATS, default=None)
@@ -85,7 +86,7 @@ def _pack(args: argparse.Namespace) -> dict:
         prompt_template=args.prompt_template, completion_column=args.completion_column, separator=args.separator,
         use_chat_template=args.use_chat_template,
     )
-    tokenizer = load_tokenizer(args.tokenizer, args.revision)
+    tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     meta = build_packed_sft(
         args.output, args.dataset, tokenizer, fmt, args.packed_sequence_size, args.pad_seq_to_mult, args.packing,
         args.overlong, args.split, args.revision, args.dataset_name, args.num_proc, None, args.skip_invalid_rows,

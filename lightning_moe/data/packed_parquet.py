@@ -47,13 +47,6 @@ class TokenizedSamples:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    @classmethod
-    def from_lists(cls, ids: list[list[int]], labels: list[list[int]]) -> TokenizedSamples:
-        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum([len(x) for x in ids], out=offsets[1:])
-        flat = lambda xs: np.fromiter((t for x in xs for t in x), dtype=np.int64, count=int(offsets[-1]))  # noqa: E731
-        return cls(flat(ids), flat(labels), offsets)
-
 
 def write_packed_dataset(
     output_dir: str, samples: TokenizedSamples, packed_sequence_size: int, pad_seq_to_mult: int = 1,

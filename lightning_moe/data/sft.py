@@ -26,7 +26,7 @@ from lightning_moe.data.packed_parquet import (
     read_metadata,
     write_packed_dataset,
 )
-from lightning_moe.data.sources import load_source
+from lightning_moe.data.sources import load_source, source_fingerprint
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def cached_packed_sft(cache_dir: str, source: str, tokenizer: Any, fmt: SampleFo
                       pad_seq_to_mult: int, packing: str, overlong: str, split: str, revision: str | None,
                       dataset_name: str | None, num_proc: int | None, skip_invalid_rows: bool) -> str:
     """The cached packed folder for these inputs and settings, built if missing; returns its path."""
-    fingerprint = load_source(source, split, revision, dataset_name).fingerprint
+    fingerprint = source_fingerprint(source, split, revision, dataset_name)
     key = _hash({"source": source, "split": split, "fp": fingerprint, "tok": tokenizer_fingerprint(tokenizer),
                  "format": fmt.to_dict(), "size": packed_sequence_size, "mult": pad_seq_to_mult,
                  "packing": packing, "overlong": overlong, "skip": skip_invalid_rows, "v": _CACHE_VERSION})
@@ -162,7 +162,8 @@ class SFTDataModule(BaseDataModule):
         split: split of ``dataset``, with optional slice (``train[:100000]``).
         val_dataset: validation rows (same kinds as ``dataset``); default: no validation.
         val_split: split of ``val_dataset``.
-        revision: hub revision of the datasets (and of a hub tokenizer).
+        revision: hub revision of the datasets.
+        tokenizer_revision: hub revision of a hub tokenizer.
         dataset_name: hub configuration name.
         preset: ``tulu3``, ``openmathinstruct2``, ``openmathinstruct2_chat`` or ``hellaswag``: sets the
             format options below (which override it when given).
@@ -195,7 +196,8 @@ class SFTDataModule(BaseDataModule):
 
     def __init__(
         self, tokenizer: str, dataset: str | None = None, split: str = "train", val_dataset: str | None = None,
-        val_split: str = "train", revision: str | None = None, dataset_name: str | None = None,
+        val_split: str = "train", revision: str | None = None, tokenizer_revision: str | None = None,
+        dataset_name: str | None = None,
         preset: str | None = None, format: str | None = None, messages_column: str | None = None,
         last_turn_only: bool | None = None, prompt_template: str | None = None, completion_column: str | None = None,
         separator: str | None = None, use_chat_template: bool | None = None, add_bos: bool | None = None,
@@ -211,7 +213,7 @@ class SFTDataModule(BaseDataModule):
         if pad_seq_to_mult < 1 or packed_sequence_size % pad_seq_to_mult:
             raise ValueError(f"packed_sequence_size {packed_sequence_size} must be a multiple of "
                              f"pad_seq_to_mult {pad_seq_to_mult}")
-        self.tokenizer_path, self.revision = tokenizer, revision
+        self.tokenizer_path, self.tokenizer_revision, self.revision = tokenizer, tokenizer_revision, revision
         self.dataset, self.split, self.val_dataset, self.val_split = dataset, split, val_dataset, val_split
         self.dataset_name = dataset_name
         self.sample_format = make_sample_format(
@@ -231,7 +233,7 @@ class SFTDataModule(BaseDataModule):
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.tokenizer_path, self.revision)
+            self._tokenizer = load_tokenizer(self.tokenizer_path, self.tokenizer_revision)
         return self._tokenizer
 
     def _packed_dir(self, dataset: str | None, split: str, packed_path: str | None) -> str | None:

@@ -44,14 +44,21 @@ def load_source(source: str, split: str = "train", revision: str | None = None, 
             ds = datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split=split)
         except Exception as e:  # pyarrow/datasets messages name the row and column, not the file
             raise ValueError(f"{os.path.basename(source)}: could not be read as {ext[1:]}: {e}") from e
-        st = os.stat(source)
-        fp = _hash(os.path.realpath(source), st.st_size, st.st_mtime_ns, split)
-        return Source(ds, os.path.basename(source), fp)
+        return Source(ds, os.path.basename(source), source_fingerprint(source, split))
     try:
         ds = datasets.load_dataset(source, name, split=split, revision=revision)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"dataset {source!r} is neither a local path nor a reachable hub dataset: {e}") from e
     return Source(ds, source, _hash(source, name, split, revision, ds._fingerprint))
+
+
+def source_fingerprint(source: str, split: str = "train", revision: str | None = None,
+                       name: str | None = None) -> str:
+    """The fingerprint :func:`load_source` would report; local files are not read (path, size, mtime)."""
+    if os.path.isfile(source) and os.path.splitext(source)[1].lower() in _FILE_BUILDERS:
+        st = os.stat(source)
+        return _hash(os.path.realpath(source), st.st_size, st.st_mtime_ns, split)
+    return load_source(source, split, revision, name).fingerprint
 
 
 def _load_from_disk(path: str, split: str) -> Source:
