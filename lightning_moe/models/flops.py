@@ -1,0 +1,205 @@
+"""Model FLOPs of a training step, from the model config and the real sequence lengths of a batch.
+
+Conventions (those of Megatron-Bridge's published TFLOP/s/GPU, except where noted):
+
+- A matmul ``[m, k] @ [k, n]`` costs ``2*m*k*n``; norms, activations, rotary and softmax are not counted.
+- Training = forward + backward = 3 x forward: backward computes input and weight gradients. With frozen
+  weights (LoRA) weight gradients shrink to the trainable fraction ``f``: matmuls with a weight operand cost
+  ``(2 + f)`` x forward, matmuls between activations (attention scores) keep 3x.
+- Attention scores count only the causal query-key pairs of each *real* sequence: packed rows are split
+  where ``position_ids`` restart, a sequence of length ``L`` has ``L(L+1)/2`` pairs (Megatron: ``L^2/2``)
+  and a sliding window ``w`` has ``sum_i min(i, w)``. Kernels that fill the whole ``S x S`` square of a row
+  (sdpa's math path, ``torch.utils.flop_counter``'s count) do more work on the scores than is reported here.
+- MoE: router + ``top_k`` routed experts + shared experts + latent projections.
+- Output layer: ``2*hidden*vocab`` per token whose logits are computed. The fused loss computes logits only
+  for tokens with a label, so an SFT batch counts its label tokens (Megatron counts every token; the two
+  agree for pretraining). Each enabled MTP depth adds its projection, its blocks and one more output layer.
+
+A block type's forward FLOPs are one function in :data:`BLOCK_FLOPS` (by pattern symbol) or
+:data:`ATTENTION_FLOPS` (by ``attention.type``); the totals are built from those tables only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_moe.models.config import BLOCK_SYMBOLS, ModelConfig
+from lightning_moe.models.layers.loss import IGNORE_INDEX
+from lightning_moe.models.layers.mtp import shift_left
+from lightning_moe.models.layers.sequence import SequenceLayout
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The sequences one forward pass runs over: their lengths (1-D int64 on the CPU)."""
+
+    lengths: torch.Tensor
+
+    @classmethod
+    def of_length(cls, seq_len: int, count: int = 1) -> Sequences:
+        return cls(torch.full((count,), seq_len, dtype=torch.int64))
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> Sequences:
+        """Every packed sequence of a ``[batch, seq]`` batch (a new one wherever positions restart at 0)."""
+        layout = SequenceLayout(position_ids, packed=True)
+        return cls(layout.cu_seqlens.diff().to(device="cpu", dtype=torch.int64))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def causal_pairs(self, window: int | None = None) -> int:
+        """Query-key pairs that causal attention (limited to ``window`` keys) scores, summed over sequences."""
+        lengths = self.lengths
+        head = lengths if window is None else torch.clamp(lengths, max=window)
+        # query i (from 1) sees min(i, window) keys: 1..head, then ``window`` for each query after the head
+        return int((head * (head + 1) // 2 + (lengths - head) * (window or 0)).sum())
+
+
+@dataclass
+class ForwardFlops:
+    """Forward FLOPs split by what the backward pass needs: weight matmuls get a weight gradient
+    (skipped for frozen weights), activation matmuls (attention scores) never have one to skip."""
+
+    weights: float = 0.0
+    activations: float = 0.0
+
+    def __add__(self, other: ForwardFlops) -> ForwardFlops:
+        return ForwardFlops(self.weights + other.weights, self.activations + other.activations)
+
+    def training(self, trainable_fraction: float = 1.0) -> float:
+        """Forward + backward: input gradients always, weight gradients for the trainable fraction."""
+        return (2.0 + trainable_fraction) * self.weights + 3.0 * self.activations
+
+
+def gqa_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
+    att = cfg.attention
+    q_width, kv_width = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    # q, k, v projections in and the output projection back
+    projections = 2 * seqs.tokens * cfg.hidden_size * (2 * q_width + 2 * kv_width)
+    # QK^T and (softmax)V, every query head, over the causal pairs
+    scores = 2 * 2 * q_width * seqs.causal_pairs(window)
+    return ForwardFlops(weights=projections, activations=scores)
+
+
+ATTENTION_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int | None], ForwardFlops]] = {
+    "gqa": gqa_attention_flops,
+}
+
+
+def attention_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    """The ``attention_index``-th attention block (its sliding window, if any, depends on the index)."""
+    kind = cfg.attention.type
+    if kind not in ATTENTION_FLOPS:
+        raise NotImplementedError(f"no FLOPs formula for attention.type {kind!r} in lightning_moe.models.flops")
+    return ATTENTION_FLOPS[kind](cfg, seqs, cfg.attention.window_for(attention_index))
+
+
+def feed_forward_flops(tokens: int, hidden: int, intermediate: int, activation: str) -> float:
+    """A dense feed-forward: gated activations have three projections, squared ReLU two."""
+    projections = 2 if activation == "relu2" else 3
+    return 2.0 * tokens * hidden * intermediate * projections
+
+
+def mlp_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    mlp = cfg.mlp
+    return ForwardFlops(weights=feed_forward_flops(seqs.tokens, cfg.hidden_size, mlp.intermediate_size, mlp.activation))
+
+
+def moe_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    moe, hidden, tokens = cfg.moe, cfg.hidden_size, seqs.tokens
+    expert_dim = moe.latent_size or hidden
+    total = 2.0 * tokens * hidden * moe.num_experts  # router
+    total += moe.top_k * feed_forward_flops(tokens, expert_dim, moe.intermediate_size, moe.activation)
+    if moe.latent_size:
+        total += 2 * (2.0 * tokens * hidden * moe.latent_size)  # into and out of the latent width
+    if moe.num_shared_experts:
+        total += feed_forward_flops(tokens, hidden, moe.shared_size, moe.activation)
+    return ForwardFlops(weights=total)
+
+
+BLOCK_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int], ForwardFlops]] = {
+    "*": attention_flops,
+    "-": mlp_flops,
+    "E": moe_flops,
+}
+
+
+def pattern_flops(cfg: ModelConfig, pattern: str, seqs: Sequences) -> ForwardFlops:
+    """One block per symbol, attention blocks numbered in pattern order (as ``build_blocks`` does)."""
+    total, attention_index = ForwardFlops(), 0
+    for symbol in pattern:
+        if symbol not in BLOCK_FLOPS:
+            raise NotImplementedError(
+                f"no FLOPs formula for block {symbol!r} ({BLOCK_SYMBOLS.get(symbol, 'unknown')}) "
+                "in lightning_moe.models.flops"
+            )
+        total += BLOCK_FLOPS[symbol](cfg, seqs, attention_index)
+        attention_index += symbol == "*"
+    return total
+
+
+def mtp_depths(cfg: ModelConfig) -> int:
+    """MTP depths that run (their weights may be kept with ``enabled=False`` and skip all compute)."""
+    mtp = cfg.mtp
+    return mtp.num_layers if mtp is not None and mtp.enabled else 0
+
+
+def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int] | None = None) -> ForwardFlops:
+    """Forward FLOPs of the whole model over ``seqs``.
+
+    ``output_tokens``: tokens scored by the output layer, per head (main head, then each MTP depth);
+    None scores every token with every head.
+    """
+    depths = mtp_depths(cfg)
+    if output_tokens is None:
+        output_tokens = [seqs.tokens] * (1 + depths)
+    if len(output_tokens) != 1 + depths:
+        raise ValueError(f"output_tokens has {len(output_tokens)} entries, the model has {1 + depths} output heads")
+    hidden = cfg.hidden_size
+    total = pattern_flops(cfg, cfg.pattern, seqs)
+    for _ in range(depths):
+        total += ForwardFlops(weights=2.0 * seqs.tokens * (2 * hidden) * hidden)  # eh_proj
+        total += pattern_flops(cfg, cfg.mtp.pattern, seqs)
+    return total + ForwardFlops(weights=2.0 * hidden * cfg.vocab_size * sum(output_tokens))
+
+
+def output_token_counts(cfg: ModelConfig, position_ids: torch.Tensor, labels: torch.Tensor) -> list[int]:
+    """Tokens each output head scores: labelled tokens, and for MTP depth ``d`` those whose target ``d``
+    tokens ahead is labelled and in the same packed sequence."""
+    counts = [(labels != IGNORE_INDEX).sum()]
+    depths = mtp_depths(cfg)
+    if depths:
+        docs = SequenceLayout(position_ids, packed=True).document_ids
+        for d in range(1, depths + 1):
+            target = shift_left(labels, d, IGNORE_INDEX)
+            counts.append(((target != IGNORE_INDEX) & (shift_left(docs, d, -1) == docs)).sum())
+    return [int(c) for c in torch.stack(counts).tolist()]
+
+
+def batch_flops(
+    cfg: ModelConfig,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    trainable_fraction: float = 1.0,
+) -> float:
+    """Training FLOPs (forward + backward) of one micro-batch, from its real packed sequence lengths.
+
+    Without ``labels`` every token is scored by every output head.
+    """
+    seqs = Sequences.from_position_ids(position_ids)
+    outputs = None if labels is None else output_token_counts(cfg, position_ids, labels)
+    return forward_flops(cfg, seqs, outputs).training(trainable_fraction)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs per token of unpacked sequences of ``seq_len`` tokens, every token labelled.
+
+    ``seq_len=None`` gives the sequence-independent part (one-token sequences): ~6 x active parameters.
+    """
+    seqs = Sequences.of_length(seq_len or 1)
+    return forward_flops(cfg, seqs).training(trainable_fraction) / seqs.tokens
