@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.quantized import hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.families import Family, family_by_name, family_for_hf_config
+from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config
 
 HF_CONFIG = "config.json"
 NATIVE_CONFIG = "model_config.json"
@@ -55,16 +56,18 @@ def _summarize(names: list[str], limit: int = 5) -> str:
 
 
 class HFCheckpoint:
-    def __init__(self, directory: str | Path) -> None:
+    """``dequantize_dtype``: the dtype that quantized hub weights (FP8 blocks, MXFP4) are imported in."""
+
+    def __init__(self, directory: str | Path, dequantize_dtype: torch.dtype = torch.bfloat16) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"{self.directory}: not a directory")
         self.hf_config = read_json(self.directory / HF_CONFIG)
         self.family: Family = family_for_hf_config(self.hf_config)
-        self.config = self.family.from_hf_config(self.hf_config)
-        self.reader = SafetensorsDir(self.directory)
+        self.reader = hub_tensors(self.directory, self.hf_config, dequantize_dtype)
+        self.config = self.family.from_hf_checkpoint(self.hf_config, self.reader.keys())
         self.maps = self.family.weight_map(self.config)
-        self._by_native = {m.native: m for m in self.maps}
+        self._by_native = {name: m for m in self.maps for name in m.natives}
         self._validate()
 
     def _validate(self) -> None:
@@ -77,32 +80,35 @@ class HFCheckpoint:
         unexpected = sorted(n for n in reader.keys() if n not in consumed and not any(p in n for p in ignored))
         if unexpected:
             raise ValueError(f"{self.directory}: unexpected tensor(s) {_summarize(unexpected)} for {self.family.name}")
-        mapped = {m.native for m in self.maps}
-        unmapped = sorted(set(expected) - mapped)
+        unmapped = sorted(set(expected) - set(self._by_native))
         if unmapped:
             raise ValueError(f"family {self.family.name}: no hub tensor maps to {_summarize(unmapped)}")
         for m in self.maps:
             metas = [torch.empty(reader.shape(n), dtype=reader.dtype(n), device="meta") for n in m.hf]
             try:
-                shape = tuple(m.to_native(metas).shape)
+                natives = m.natives_from_hf(metas)
             except RuntimeError as err:
                 shapes = ", ".join(f"{n}: {tuple(t.shape)}" for n, t in zip(m.hf, metas))
                 raise ValueError(f"{self.directory}: tensors {shapes} do not combine into {m.native} ({err})") from err
-            want = tuple(expected[m.native].shape)
-            if shape != want:
-                source = m.hf[0] if len(m.hf) == 1 else f"{m.hf[0]} (and {len(m.hf) - 1} more)"
-                raise ValueError(
-                    f"{self.directory}: tensor {source} has shape {shape if len(m.hf) > 1 else metas[0].shape}, "
-                    f"the model expects {want} for {m.native}"
-                )
+            for native, tensor in zip(m.natives, natives):
+                shape, want = tuple(tensor.shape), tuple(expected[native].shape)
+                if shape != want:
+                    source = m.hf[0] if len(m.hf) == 1 else f"{m.hf[0]} (and {len(m.hf) - 1} more)"
+                    raise ValueError(
+                        f"{self.directory}: tensor {source} has shape {shape if len(m.hf) > 1 else tuple(metas[0].shape)}, "
+                        f"the model expects {want} for {native}"
+                    )
+
+    def _natives_of(self, m: TensorMap) -> list[torch.Tensor]:
+        return m.natives_from_hf([self.reader.get(hf) for hf in m.hf])
 
     def get_native(self, name: str) -> torch.Tensor:
         m = self._by_native[name]
-        return m.to_native([self.reader.get(hf) for hf in m.hf])
+        return self._natives_of(m)[m.natives.index(name)]
 
     def iter_native(self) -> Iterator[tuple[str, torch.Tensor]]:
         for m in self.maps:
-            yield m.native, self.get_native(m.native)
+            yield from zip(m.natives, self._natives_of(m))
 
 
 class NativeCheckpoint:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from lightning_moe.data.formats import FORMATS, PRESETS
@@ -100,6 +101,8 @@ def _index(args: argparse.Namespace) -> dict:
     from lightning_moe.data.indexed import build_indexed_dataset_from_jsonl
     from lightning_moe.data.tokenizer import load_tokenizer
 
+    if not os.path.isfile(args.input):  # before the (slow) tokenizer load
+        raise FileNotFoundError(f"input file {args.input} does not exist")
     tokenizer = load_tokenizer(args.tokenizer)
     stats = build_indexed_dataset_from_jsonl(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
                                              append_eod=args.append_eod)
