@@ -1,52 +1,52 @@
 """Data: tokenizer, SFT formats and packing, Megatron indexed pretraining data, mock data.
 
-Importing this package is cheap: submodules (and ``datasets`` / ``transformers``) load on first use.
+``datasets``, ``transformers`` and ``pyarrow`` are imported inside the functions that use them, so
+importing this package costs only torch, lightning and numpy. The data modules are imported here so
+that LightningCLI finds them by their short names (``--data SFTDataModule``).
 """
 
-from __future__ import annotations
+from lightning_moe.data.base import BaseDataModule
+from lightning_moe.data.collate import Collator, collate_rows
+from lightning_moe.data.distributed import data_parallel_rank_and_size
+from lightning_moe.data.formats import IGNORE_INDEX, PRESETS, SampleFormat, shift_labels, tokenize_row
+from lightning_moe.data.gpt_sampling import BlendedDataset, GPTDataset, parse_blend, parse_split
+from lightning_moe.data.indexed import IndexedDataset, IndexedDatasetWriter, build_indexed_dataset_from_jsonl
+from lightning_moe.data.mock import MockDataModule, MockDataset
+from lightning_moe.data.packed_parquet import PackedDataset, write_packed_dataset
+from lightning_moe.data.packing import pack_first_fit_decreasing, pack_greedy, packing_stats
+from lightning_moe.data.pretrain import PretrainDataModule
+from lightning_moe.data.sampler import DataParallelSampler
+from lightning_moe.data.sft import SFTDataModule, build_packed_sft
+from lightning_moe.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "SFTDataModule": "sft",
-    "PretrainDataModule": "pretrain",
-    "MockDataModule": "mock",
-    "BaseDataModule": "base",
-    "IndexedDataset": "indexed",
-    "IndexedDatasetWriter": "indexed",
-    "build_indexed_dataset_from_jsonl": "indexed",
-    "GPTDataset": "gpt_sampling",
-    "BlendedDataset": "gpt_sampling",
-    "parse_blend": "gpt_sampling",
-    "parse_split": "gpt_sampling",
-    "pack_first_fit_decreasing": "packing",
-    "pack_greedy": "packing",
-    "packing_stats": "packing",
-    "PackedDataset": "packed_parquet",
-    "write_packed_dataset": "packed_parquet",
-    "DataParallelSampler": "sampler",
-    "data_parallel_rank_and_size": "distributed",
-    "collate_rows": "collate",
-    "load_tokenizer": "tokenizer",
-    "train_bpe_tokenizer": "tokenizer",
-    "SampleFormat": "formats",
-    "tokenize_row": "formats",
-    "shift_labels": "formats",
-    "IGNORE_INDEX": "formats",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_moe.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lightning_moe.data.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = [
+    "IGNORE_INDEX",
+    "PRESETS",
+    "BaseDataModule",
+    "BlendedDataset",
+    "Collator",
+    "DataParallelSampler",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetWriter",
+    "MockDataModule",
+    "MockDataset",
+    "PackedDataset",
+    "PretrainDataModule",
+    "SFTDataModule",
+    "SampleFormat",
+    "build_indexed_dataset_from_jsonl",
+    "build_packed_sft",
+    "collate_rows",
+    "data_parallel_rank_and_size",
+    "load_tokenizer",
+    "pack_first_fit_decreasing",
+    "pack_greedy",
+    "packing_stats",
+    "parse_blend",
+    "parse_split",
+    "shift_labels",
+    "tokenize_row",
+    "train_bpe_tokenizer",
+    "write_packed_dataset",
+]
