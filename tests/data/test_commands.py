@@ -87,10 +87,11 @@ def test_module_entry_point_in_subprocess(tmp_path, tokenizer_path, data_dir):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["documents"] == 200
-    proc = subprocess.run([sys.executable, "-m", "lightning_moe.data.commands", "index", "--input", "missing.jsonl",
-                           "--tokenizer", tokenizer_path, "--output-prefix", str(tmp_path / "q")],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 1 and "missing.jsonl does not exist" in proc.stderr
+
+
+def test_missing_input_fails_fast(tmp_path, tokenizer_path, capsys):
+    rc = main(["index", "--input", "missing.jsonl", "--tokenizer", tokenizer_path, "--output-prefix", str(tmp_path / "q")])
+    assert rc == 1 and "missing.jsonl does not exist" in capsys.readouterr().err
 
 
 def test_samples_command_regenerates_the_shipped_files(tmp_path, data_dir):
