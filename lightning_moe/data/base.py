@@ -69,9 +69,8 @@ class BaseDataModule(L.LightningDataModule):
         gbs = self.resolved_global_batch_size()
         trainer = self.trainer
         accumulate = gbs // (self.micro_batch_size * size)
-        if trainer is not None and getattr(trainer, "accumulate_grad_batches", accumulate) != accumulate:
-            rank_zero_warn(f"global_batch_size {gbs} = micro_batch_size {self.micro_batch_size} x dp {size} x "
-                           f"{accumulate}, but the Trainer accumulates {trainer.accumulate_grad_batches} batches")
+        if trainer is not None:
+            self._set_accumulation(trainer, gbs, size, accumulate)
         self._train_sampler = DataParallelSampler(
             dataset, rank, size, self.micro_batch_size, gbs, shuffle=shuffle, seed=self.seed,
             consumed_samples=self.consumed_samples,
@@ -80,6 +79,21 @@ class BaseDataModule(L.LightningDataModule):
             dataset, batch_size=self.micro_batch_size, sampler=self._train_sampler, collate_fn=collate_fn,
             num_workers=self.num_workers, drop_last=True, persistent_workers=False,
         )
+
+    def _set_accumulation(self, trainer: Any, gbs: int, dp_size: int, accumulate: int) -> None:
+        """The batch sizes decide gradient accumulation (as in Megatron recipes); a Trainer set to a different
+        count is an error, not a silent change of the global batch."""
+        current = getattr(trainer, "accumulate_grad_batches", 1)
+        if current == accumulate:
+            return
+        if current != 1:
+            raise ValueError(
+                f"global_batch_size {gbs} = micro_batch_size {self.micro_batch_size} x data-parallel size {dp_size} "
+                f"x {accumulate} accumulation steps, but trainer.accumulate_grad_batches={current}; "
+                f"drop trainer.accumulate_grad_batches or set it to {accumulate}"
+            )
+        log.info("gradient accumulation: %d micro-batches per optimizer step", accumulate)
+        trainer.accumulate_grad_batches = accumulate
 
     def _eval_loader(self, dataset: Dataset, collate_fn: Callable) -> DataLoader:
         """In-order evaluation, sharded by data-parallel rank (a final partial step is dropped)."""
