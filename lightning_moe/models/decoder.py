@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.attention import Attention
-from lightning_moe.models.layers.loss import linear_cross_entropy
+from lightning_moe.models.layers.loss import OutputLayer
 from lightning_moe.models.layers.mlp import MLP
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.norm import RMSNorm
@@ -96,6 +95,7 @@ class Decoder(nn.Module):
         self.layers = build_blocks(config.pattern, config)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output_layer = OutputLayer()
         self.mtp = None
         if config.mtp is not None and config.mtp.num_layers > 0:
             from lightning_moe.models.layers.mtp import MultiTokenPrediction
@@ -140,8 +140,8 @@ class Decoder(nn.Module):
         hidden = self.hidden_states(input_ids, layout)
         final = self.norm(hidden)
         if labels is None:
-            return F.linear(final, self.output_weight)
-        loss_sum, count = linear_cross_entropy(final, self.output_weight, labels, self.config.loss_chunk_size)
+            return self.output_layer.logits(final, self.output_weight)
+        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size)
         out = LossOutput(loss_sum=loss_sum, num_label_tokens=count, aux_loss=self._collect_aux_loss())
         if self.mtp is not None and self.config.mtp.enabled:
             out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self)

@@ -17,7 +17,8 @@ IGNORE_INDEX = -100
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                vocab_group=None, vocab_start: int = 0):
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
@@ -26,11 +27,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[start : start + chunk_size]
             y = labels[start : start + chunk_size]
             logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss_sum += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            lse, target, rows, cols = _softmax_statistics(logits, y, vocab_group, vocab_start)
+            loss_sum += (lse - target).sum()
             if need_hidden_grad or need_weight_grad:
                 grad_logits = torch.exp(logits.sub_(lse[:, None]))
-                grad_logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                grad_logits[rows, cols] -= 1.0
                 grad_logits = grad_logits.to(h.dtype)
                 if need_hidden_grad:
                     grad_hidden[start : start + chunk_size] = grad_logits @ weight
@@ -46,16 +47,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _softmax_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
+    """Log-sum-exp and target logit of each row, and where the target sits in ``logits`` (rows, cols).
+
+    With ``vocab_group`` the columns are this rank's slice of a vocabulary split over the group (tensor
+    parallelism, as in Megatron): max and sum of exponentials are all-reduced, and the target logit comes
+    from the rank that owns it.
+    """
+    if vocab_group is None:
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        return torch.logsumexp(logits, dim=-1), logits.gather(1, labels[:, None]).squeeze(1), rows, labels
+    import torch.distributed as dist
+
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < logits.shape[1])
+    row_max = logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=vocab_group)
+    target = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+    sums = torch.stack([torch.exp(logits - row_max[:, None]).sum(dim=-1), torch.where(owned, target, 0.0)])
+    dist.all_reduce(sums, group=vocab_group)
+    rows = torch.nonzero(owned, as_tuple=True)[0]
+    return row_max + torch.log(sums[0]), sums[1], rows, local[rows]
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+    vocab_group=None, vocab_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropy losses of ``hidden @ weight.T`` against ``labels``, and the label count.
 
     ``hidden`` [..., H], ``weight`` [V, H], ``labels`` [...] with -100 for no loss. Returns fp32
     ``(loss_sum, num_label_tokens)``; divide by the *global* label count to get the mean.
+
+    Vocabulary-parallel (tensor parallelism): ``weight`` holds rows ``vocab_start ...`` of a vocabulary split
+    over ``vocab_group`` and every rank passes the same ``hidden`` and ``labels``. The loss is the
+    full-vocabulary loss on every rank; the gradient of ``hidden`` is this rank's share, to be summed over
+    the group by the caller.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
@@ -66,8 +96,21 @@ def linear_cross_entropy(
         return (hidden.sum() + weight.sum()).float() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
     if count < labels.numel():
         hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
-    loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start)
     return loss_sum, torch.tensor(count, device=hidden.device)
+
+
+class OutputLayer:
+    """How the decoder meets its output weight: logits, or the loss fused with the output GEMM. Tensor
+    parallelism gives the decoder a vocabulary-parallel version of the same two methods
+    (``lightning_moe/parallel/tensor.py``)."""
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, weight)
+
+    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(hidden, weight, labels, chunk_size)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

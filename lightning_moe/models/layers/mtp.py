@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.layers.loss import IGNORE_INDEX, linear_cross_entropy
+from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.sequence import SequenceLayout
 
@@ -66,7 +66,7 @@ class MultiTokenPrediction(nn.Module):
             same_sequence = shift_left(docs, d, -1) == docs
             target = target.masked_fill(~same_sequence, IGNORE_INDEX)
             previous = depth(decoder.embed(ahead_ids), previous, layout)
-            loss_sum, count = linear_cross_entropy(
+            loss_sum, count = decoder.output_layer.loss(
                 previous, decoder.output_weight, target, self.config.loss_chunk_size
             )
             loss_sums.append(loss_sum)
