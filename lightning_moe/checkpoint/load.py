@@ -44,6 +44,8 @@ def copy_tensors_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tenso
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     state = model.state_dict(keep_vars=True)
+    # adapters (peft LoRA) keep a wrapped layer's own weights under ``base_layer``; checkpoints use plain names
+    state.update({name.replace(".base_layer.", "."): t for name, t in state.items() if ".base_layer." in name})
     count = 0
     for name, full in tensors:
         if name not in state:

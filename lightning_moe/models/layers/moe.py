@@ -106,6 +106,9 @@ class GroupedExperts(nn.Module):
             self.down_bias = nn.Parameter(torch.empty(self.num_experts, dim))
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
+        # low-rank adapters (LoRA, ``lightning_moe.peft``): ``adapter(name, x, offsets)`` is added to the
+        # output of projection ``name``
+        self.register_module("adapter", None)
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
         for param in (self.gate_proj, self.up_proj, self.down_proj):
@@ -126,21 +129,24 @@ class GroupedExperts(nn.Module):
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
+    def project(self, name: str, inp: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows ``inp`` [N, in] sorted by expert through the stacked projection ``name`` ([E, out, in]) -> [N, out]."""
+        out = torch._grouped_mm(inp, getattr(self, name).transpose(-2, -1), offs=offsets)
+        bias = getattr(self, name.replace("_proj", "_bias"))
+        if bias is not None:
+            out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=inp.shape[0])
+        if self.adapter is not None:
+            out = out + self.adapter(name, inp, offsets)
+        return out
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [N, dim] sorted by expert, ``counts`` [num_experts] rows per expert -> [N, dim]."""
         if self.cfg.backend == "loop":
             return self.forward_loop(x, counts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-
-        def project(weight: torch.Tensor, bias: torch.Tensor | None, inp: torch.Tensor) -> torch.Tensor:
-            out = torch._grouped_mm(inp, weight.transpose(-2, -1), offs=offsets)
-            if bias is not None:
-                out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=inp.shape[0])
-            return out
-
-        gate = project(self.gate_proj, self.gate_bias, x) if self.gate_proj is not None else None
-        hidden = self._activate(gate, project(self.up_proj, self.up_bias, x))
-        return project(self.down_proj, self.down_bias, hidden)
+        gate = self.project("gate_proj", x, counts, offsets) if self.gate_proj is not None else None
+        hidden = self._activate(gate, self.project("up_proj", x, counts, offsets))
+        return self.project("down_proj", hidden, counts, offsets)
 
     def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Reference: one plain matmul per expert (kept for tests and for backends without grouped GEMM)."""
@@ -182,11 +188,11 @@ class MoE(nn.Module):
         self.router = Router(cfg, hidden_size)
         expert_dim = cfg.latent_size or hidden_size
         if cfg.latent_size:
-            self.fc1_latent_proj = nn.Linear(hidden_size, cfg.latent_size, bias=False)
-            self.fc2_latent_proj = nn.Linear(cfg.latent_size, hidden_size, bias=False)
+            self.fc1_latent_proj = nn.Linear(hidden_size, cfg.latent_size, bias=cfg.shared_latent_bias)
+            self.fc2_latent_proj = nn.Linear(cfg.latent_size, hidden_size, bias=cfg.shared_latent_bias)
         self.experts = GroupedExperts(cfg, expert_dim)
         self.shared_experts = (
-            MLP(hidden_size, cfg.shared_size, "relu2" if cfg.activation == "relu2" else "swiglu")
+            MLP(hidden_size, cfg.shared_size, "relu2" if cfg.activation == "relu2" else "swiglu", cfg.shared_latent_bias)
             if cfg.num_shared_experts
             else None
         )
@@ -201,8 +207,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(init_std)
         if self.cfg.latent_size:
-            nn.init.normal_(self.fc1_latent_proj.weight, std=init_std)
-            nn.init.normal_(self.fc2_latent_proj.weight, std=init_std)
+            for linear in (self.fc1_latent_proj, self.fc2_latent_proj):
+                nn.init.normal_(linear.weight, std=init_std)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
         nn.init.zeros_(self.tokens_per_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
