@@ -117,6 +117,7 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     force_balanced: bool = False  # benchmarks: round-robin routing, ignores the router's choice
     latent_size: int | None = None  # Nemotron LatentMoE: experts run in a smaller latent width
+    shared_latent_bias: bool = False  # biases in the shared experts and latent projections (Nemotron-H mlp_bias)
     backend: Literal["grouped_mm", "loop"] = "grouped_mm"
 
     @property

@@ -1,0 +1,277 @@
+"""Nemotron-H: config translation, hub-layout round trip with MTP tensors, logits against transformers (plain and
+packed rows), the MTP forward against its hub definition, and an MTP training step."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from lightning_moe.checkpoint.convert import (  # noqa: E402
+    export_hf_checkpoint,
+    import_hf_checkpoint,
+    verify_hf_checkpoints,
+)
+from lightning_moe.checkpoint.load import load_pretrained  # noqa: E402
+from lightning_moe.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
+from lightning_moe.models.families import family_by_name, family_for_hf_config  # noqa: E402
+
+LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]
+MTP_LAYERS = ["full_attention", "moe"]
+DEPTHS = 2
+TOL = 1e-4
+
+
+def hf_config(latent: int | None = 24, **overrides):
+    from transformers import NemotronHConfig
+
+    kwargs = dict(
+        architectures=["NemotronHForCausalLM"], vocab_size=128, hidden_size=64, layers_block_type=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+        conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, moe_latent_size=latent, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, num_nextn_predict_layers=DEPTHS, mtp_layers_block_type=MTP_LAYERS,
+    )
+    kwargs.update(overrides)
+    return NemotronHConfig(**kwargs)
+
+
+def build_tiny(latent: int | None = 24, seed: int = 0):
+    """Random transformers model; norms near 1 and a non-zero expert bias, so nothing is degenerate."""
+    from transformers import NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(hf_config(latent)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") or name.endswith("norm_f.weight") else 0.0, 0.1)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    return model
+
+
+def add_hub_mtp_tensors(directory: Path, seed: int = 0) -> list[str]:
+    """Write MTP tensors in the hub's naming next to a transformers-saved checkpoint (which has none):
+    ``mtp.layers.{d*L + j}`` named like the backbone layer of the same type, plus ``eh_proj``/``enorm``/``hnorm``
+    on the first inner layer of each depth and ``final_layernorm`` on the last. Returns the names added."""
+    from safetensors.torch import load_file, save_file
+
+    shard = directory / "model.safetensors"
+    tensors = load_file(shard)
+    hidden = tensors["backbone.embeddings.weight"].shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    added = {}
+    for d in range(DEPTHS):
+        for j, kind in enumerate(MTP_LAYERS):
+            template = f"backbone.layers.{LAYERS.index(kind)}."
+            flat = f"mtp.layers.{d * len(MTP_LAYERS) + j}."
+            for name, t in tensors.items():
+                if name.startswith(template):
+                    added[flat + name[len(template):]] = torch.randn(t.shape, generator=gen).to(t.dtype) * 0.1
+            if j == 0:
+                added[flat + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+                added[flat + "enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+                added[flat + "hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+            if j == len(MTP_LAYERS) - 1:
+                added[flat + "final_layernorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    save_file({**tensors, **added}, shard, metadata={"format": "pt"})
+    return sorted(added)
+
+
+@pytest.fixture(scope="module")
+def hub_checkpoint(tmp_path_factory):
+    """(transformers model, directory): the model saved by transformers, plus hub-named MTP tensors."""
+    path = tmp_path_factory.mktemp("nemotron_h")
+    model = build_tiny()
+    model.save_pretrained(path)
+    add_hub_mtp_tensors(path)
+    return model, path
+
+
+# ---------------------------------------------------------------------------------- config
+def test_config_reads_pattern_mtp_and_settings():
+    hf = hf_config().to_dict()
+    cfg = family_for_hf_config(hf).from_hf_config(hf)
+    assert cfg.pattern == "ME*-ME"
+    assert (cfg.mtp.num_layers, cfg.mtp.pattern, cfg.mtp.loss_scale) == (2, "*E", 0.3)
+    assert cfg.attention.rope.type == "none" and (cfg.attention.num_heads, cfg.attention.num_kv_heads) == (4, 2)
+    assert (cfg.mlp.activation, cfg.moe.activation, cfg.moe.score_func) == ("relu2", "relu2", "sigmoid")
+    assert (cfg.moe.latent_size, cfg.moe.shared_size, cfg.moe.n_group, cfg.moe.topk_group) == (24, 48, 2, 1)
+    assert cfg.moe.score_correction_bias and cfg.moe.routed_scaling_factor == 1.5
+    assert (cfg.mamba.num_heads, cfg.mamba.head_dim, cfg.mamba.state_size, cfg.mamba.chunk_size) == (8, 16, 16, 8)
+    assert cfg.mamba.time_step_limit == (hf["time_step_min"], float("inf"))
+
+
+def test_legacy_pattern_strings_give_the_same_model():
+    hf = hf_config().to_dict()
+    legacy = {k: v for k, v in hf.items() if k not in ("layers_block_type", "mtp_layers_block_type")}
+    legacy.update(hybrid_override_pattern="ME*-ME", mtp_hybrid_override_pattern="*E")
+    family = family_by_name("nemotron_h")
+    assert family.from_hf_config(legacy) == family.from_hf_config(hf)
+
+
+def test_to_hf_config_loads_in_transformers_and_translates_back():
+    from transformers import NemotronHConfig
+
+    family = family_by_name("nemotron_h")
+    cfg = family.from_hf_config(hf_config().to_dict())
+    exported = family.to_hf_config(cfg)
+    reloaded = NemotronHConfig(**{k: v for k, v in exported.items() if k != "architectures"})
+    assert reloaded.layers_block_type == LAYERS and reloaded.mtp_layers_block_type == MTP_LAYERS
+    assert family.from_hf_config(reloaded.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layers_block_type": ["mamba", "rwkv"]}, "unknown layer types ['rwkv']"),
+        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu' is not supported"),
+        ({"mamba_num_heads": None}, "required key 'mamba_num_heads' is missing"),
+    ],
+)
+def test_config_errors_name_the_key(change, message):
+    hf = {**hf_config().to_dict(), **change}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        family_by_name("nemotron_h").from_hf_config(hf)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+def test_hub_checkpoint_with_mtp_round_trips_bitwise(tmp_path, hub_checkpoint):
+    import transformers
+
+    _, hub = hub_checkpoint
+    hub_names = SafetensorsDir(hub).keys()
+    mtp_names = [n for n in hub_names if n.startswith("mtp.")]
+    assert len(mtp_names) > 40
+    import_hf_checkpoint(hub, tmp_path / "native")
+    native_names = SafetensorsDir(tmp_path / "native").keys()
+    assert any(n.startswith("mtp.depths.1.layers.1.moe.experts.") for n in native_names)
+    export_hf_checkpoint(tmp_path / "native", tmp_path / "export")
+
+    report = verify_hf_checkpoints(hub, tmp_path / "export")
+    assert report.ok, report.summary()
+    assert report.tensors == len(hub_names)
+    assert set(SafetensorsDir(tmp_path / "export").keys()) >= set(mtp_names)
+
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == DEPTHS
+    original = transformers.AutoModelForCausalLM.from_pretrained(hub)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_transformers_checkpoint_imports_without_mtp(tmp_path, dtype):
+    build_tiny(latent=None).to(dtype).save_pretrained(tmp_path / "hf")
+    native = import_hf_checkpoint(tmp_path / "hf", tmp_path / "native")
+    assert json.loads((native / "model_config.json").read_text())["mtp"] is None
+    export_hf_checkpoint(native, tmp_path / "export")
+    report = verify_hf_checkpoints(tmp_path / "hf", tmp_path / "export")
+    assert report.ok, report.summary()
+
+
+# ---------------------------------------------------------------------------------- logits
+@pytest.mark.parametrize("latent", [24, None], ids=["latent_moe", "moe"])
+def test_logits_equal_transformers(tmp_path, latent):
+    hf = build_tiny(latent, seed=3)
+    hf.save_pretrained(tmp_path)
+    native = load_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, native(ids)
+    assert expected.abs().max() > 1.0  # not a degenerate comparison
+    assert (got - expected).abs().max().item() <= TOL
+
+
+def test_packed_row_equals_sequences_alone(hub_checkpoint):
+    hf, path = hub_checkpoint
+    native = load_pretrained(path)
+    assert native.mtp is not None
+    lengths = [5, 17, 1, 10]  # starts inside chunks and on a chunk boundary (chunk 8), a 1-token sequence
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        got = native(torch.cat(seqs)[None], position_ids=positions)[0]
+        expected = torch.cat([hf(s[None]).logits[0] for s in seqs])
+    assert (got - expected).abs().max().item() <= TOL
+
+
+# ---------------------------------------------------------------------------------- MTP
+def hub_block(hf_model, kind: str, tensors: dict[str, torch.Tensor], prefix: str):
+    """transformers' own layer of type ``kind`` holding the hub tensors under ``prefix`` (experts stacked as
+    transformers keeps them in memory)."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
+
+    block = NemotronHBlock(hf_model.config, layer_idx=LAYERS.index(kind)).eval()
+    state = {}
+    for name, param in block.state_dict().items():
+        if ".experts." in name:
+            proj = name.rsplit(".", 1)[1]
+            state[name] = torch.stack([tensors[f"{prefix}mixer.experts.{e}.{proj}.weight"] for e in range(len(param))])
+        else:
+            state[name] = tensors[prefix + name]
+    block.load_state_dict(state, strict=True)
+    return block
+
+
+def hub_mtp_losses(hf_model, tensors: dict[str, torch.Tensor], ids, labels):
+    """Per-depth loss sums from the hub's MTP definition (Megatron-Bridge / vLLM), built from transformers' layers
+    and the hub tensors by their hub names: depth d embeds the tokens d ahead, computes
+    ``eh_proj([enorm(embedding), hnorm(previous)])`` where ``previous`` is the main model's final-normed output
+    (then the previous depth's output), runs its layers and ``final_layernorm``, and predicts ``labels[t + d]``."""
+    import torch.nn.functional as F
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf_model.config.layer_norm_epsilon))
+
+    previous = hf_model.model(ids).last_hidden_state
+    sums = []
+    for d in range(1, DEPTHS + 1):
+        first = f"mtp.layers.{(d - 1) * len(MTP_LAYERS)}."
+        embedded = hf_model.model.embeddings(ids[:, d:])
+        h = torch.cat([rms(embedded, tensors[first + "enorm.weight"]),
+                       rms(previous[:, :-1], tensors[first + "hnorm.weight"])], dim=-1)
+        h = F.linear(h, tensors[first + "eh_proj.weight"])
+        for j, kind in enumerate(MTP_LAYERS):
+            prefix = f"mtp.layers.{(d - 1) * len(MTP_LAYERS) + j}."
+            h = hub_block(hf_model, kind, tensors, prefix)(h)
+        previous = rms(h, tensors[prefix + "final_layernorm.weight"])
+        logits = hf_model.lm_head(previous).float()
+        sums.append(F.cross_entropy(logits.flatten(0, 1), labels[:, d:].flatten(), reduction="sum"))
+    return sums
+
+
+def test_mtp_forward_matches_hub_definition_and_trains(hub_checkpoint):
+    from safetensors.torch import load_file
+
+    hf, path = hub_checkpoint
+    model = load_pretrained(path).train()
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(4))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    out = model(ids, labels=labels)
+    assert [int(c) for c in out.mtp_label_tokens] == [2 * (20 - d) for d in range(1, DEPTHS + 1)]
+    with torch.no_grad():
+        expected = hub_mtp_losses(hf, load_file(path / "model.safetensors"), ids, labels)
+    for got, want in zip(out.mtp_loss_sums, expected, strict=True):
+        assert torch.isfinite(got) and got.item() == pytest.approx(want.item(), rel=1e-5)
+    (out.loss_sum + 0.3 * sum(out.mtp_loss_sums)).backward()
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_disabled_mtp_keeps_weights_and_skips_its_loss(hub_checkpoint):
+    _, path = hub_checkpoint
+    model = load_pretrained(path)
+    model.config.mtp.enabled = False
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    out = model(ids, labels=ids)
+    assert out.mtp_loss_sums == [] and any(n.startswith("mtp.depths.1.") for n in model.state_dict())
