@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.checkpoint.quantized import check_method, fp8_block_size, quantized_hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir, ShardedWriter
 from lightning_moe.checkpoint.source import (
     AUX_FILES,
@@ -22,7 +23,7 @@ from lightning_moe.checkpoint.source import (
     open_checkpoint,
 )
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.families import family_by_name
+from lightning_moe.models.families import Family, family_by_name
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -37,9 +38,10 @@ def copy_aux_files(source: Path, destination: Path) -> list[str]:
 
 
 def import_hf_checkpoint(hf_dir: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                         overwrite: bool = False) -> Path:
-    """Hugging Face directory -> native checkpoint directory (native names, original dtypes, streamed)."""
-    source = HFCheckpoint(hf_dir)
+                         overwrite: bool = False, dequantize_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Hugging Face directory -> native checkpoint directory (native names, original dtypes, streamed;
+    quantized hub weights are dequantized to ``dequantize_dtype``)."""
+    source = HFCheckpoint(hf_dir, dequantize_dtype)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for name, tensor in source.iter_native():
@@ -61,22 +63,34 @@ def export_hf_tensors(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     aux_dir: Path | None = None,
     overwrite: bool = False,
+    quantize: str | None = None,
 ) -> Path:
-    """Write a transformers-loadable directory from native tensors fetched one at a time by ``native(name)``."""
+    """Write a transformers-loadable directory from native tensors fetched one at a time by ``native(name)``.
+
+    ``quantize`` (``"fp8-block"`` or ``"mxfp4"``) writes the tensors the family's hub checkpoints store
+    quantized in that layout, with the matching ``quantization_config``; None writes them unquantized.
+    """
     family = family_by_name(config.family)
     hf = dict(hf_config) if hf_config is not None else family.to_hf_config(config)
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
         hf.pop("torch_dtype", None)
+    original_quantization = hf.pop("quantization_config", None)
+    if quantize is not None:
+        hf["quantization_config"] = hub_quantization_config(family, quantize, original_quantization)
+    block = fp8_block_size(hf.get("quantization_config") or {})
     with atomic_directory(out, overwrite=overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for m in family.weight_map(config):
-            tensor = native(m.native)
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            parts = m.to_hf(tensor)
-            for name, part in zip(m.hf, parts, strict=True):
-                writer.add(name, part)
+            tensors = [native(name) for name in m.natives]
+            if dtype is not None:
+                tensors = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
+            for name, part in zip(m.hf, m.hf_from_natives(tensors), strict=True):
+                if quantize is not None and family.quantizes(name, quantize):
+                    for quantized_name, quantized in quantized_hub_tensors(name, part, quantize, block):
+                        writer.add(quantized_name, quantized)
+                else:
+                    writer.add(name, part)
         writer.finish()
         (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         if aux_dir is not None:
@@ -85,21 +99,35 @@ def export_hf_tensors(
 
 
 def export_hf_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
-                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> Path:
-    """Native (or Hugging Face) checkpoint directory -> Hugging Face directory."""
+                         max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                         quantize: str | None = None) -> Path:
+    """Native (or Hugging Face) checkpoint directory -> Hugging Face directory (``quantize``: see
+    :func:`export_hf_tensors`)."""
     source = open_checkpoint(ckpt)
     return export_hf_tensors(
         source.config, source.get_native, out, hf_config=source.hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes,
-        aux_dir=source.directory, overwrite=overwrite,
+        aux_dir=source.directory, overwrite=overwrite, quantize=quantize,
     )
 
 
+def hub_quantization_config(family: Family, method: str, original: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``quantization_config`` to write: the source checkpoint's when it used this layout, else the family's."""
+    check_method(method)
+    default = family.hf_quantization_config(method)
+    if default is None:
+        raise ValueError(f"quantize={method!r}: {family.name} checkpoints have no such hub layout")
+    if original is not None and original.get("quant_method") == default["quant_method"]:
+        return dict(original)
+    return default
+
+
 def export_model(model: torch.nn.Module, out: str | Path, *, hf_config: dict[str, Any] | None = None,
-                 dtype: torch.dtype | None = None, aux_dir: Path | None = None, overwrite: bool = False) -> Path:
+                 dtype: torch.dtype | None = None, aux_dir: Path | None = None, overwrite: bool = False,
+                 quantize: str | None = None) -> Path:
     """An in-memory (unsharded) native model -> Hugging Face directory."""
     state = model.state_dict()
     return export_hf_tensors(model.config, state.__getitem__, out, hf_config=hf_config, dtype=dtype,
-                             aux_dir=aux_dir, overwrite=overwrite)
+                             aux_dir=aux_dir, overwrite=overwrite, quantize=quantize)
 
 
 @dataclass

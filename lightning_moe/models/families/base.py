@@ -1,13 +1,14 @@
 """What a family file provides: HF config <-> ModelConfig, and the weight-name map both ways.
 
 A :class:`TensorMap` ties one native tensor to the hub tensor(s) it is made of. Most are renames; stacked
-experts gather one hub tensor per expert. Both directions are exact (stack/unbind, slicing), so an
-import followed by an export is bitwise.
+experts gather one hub tensor per expert; a few hub tensors hold several native ones (``joint``, e.g. GPT-OSS's
+interleaved gate/up experts). Both directions are exact (stack/unbind, slicing), so an import followed by an
+export is bitwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,20 @@ class TensorMap:
     hf: tuple[str, ...]
     to_native: Callable[[Sequence[torch.Tensor]], torch.Tensor] = _single
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]] = _as_list
+    # further native tensors made from the same hub tensors: then ``to_native`` returns one tensor per name
+    # in ``natives`` and ``to_hf`` takes them all, in that order
+    joint: tuple[str, ...] = ()
+
+    @property
+    def natives(self) -> tuple[str, ...]:
+        return (self.native, *self.joint)
+
+    def natives_from_hf(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        out = self.to_native(tensors)
+        return list(out) if self.joint else [out]
+
+    def hf_from_natives(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return self.to_hf(*tensors)
 
     @classmethod
     def rename(cls, native: str, hf: str) -> TensorMap:
@@ -68,6 +83,20 @@ class Family:
 
     def weight_map(self, cfg: ModelConfig) -> list[TensorMap]:
         raise NotImplementedError
+
+    def from_hf_checkpoint(self, hf: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+        """The config of a hub checkpoint whose tensor names are known. Families override it to leave out
+        optional parts a checkpoint lacks (transformers saves DeepSeek-V3 without its MTP layers)."""
+        return self.from_hf_config(hf)
+
+    def hf_quantization_config(self, method: str) -> dict[str, Any] | None:
+        """``quantization_config`` of this family's hub checkpoints in layout ``method`` (fp8-block, mxfp4),
+        or None when the hub has no such layout for it."""
+        return None
+
+    def quantizes(self, hf_name: str, method: str) -> bool:
+        """Whether the hub's ``method`` layout stores this tensor quantized."""
+        return False
 
 
 def require(hf: dict[str, Any], key: str, architecture: str, *aliases: str) -> Any:
