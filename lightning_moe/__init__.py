@@ -24,6 +24,10 @@ _PUBLIC = {
     "MockDataModule": "lightning_moe.data",
     "SFTDataModule": "lightning_moe.data",
     "PretrainDataModule": "lightning_moe.data",
+    "Throughput": "lightning_moe.callbacks.throughput",
+    "PeakMemory": "lightning_moe.callbacks.memory",
+    "HealthCheck": "lightning_moe.callbacks.health",
+    "RunCard": "lightning_moe.callbacks.run_card",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,0 +1,102 @@
+"""The run card's files: their names, and the Markdown table laid out like Megatron-Bridge's verification cards.
+
+Plain Python (no torch, no Lightning), so ``lightning-moe report`` starts fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CARD_JSON = "run_card.json"
+CARD_MARKDOWN = "run_card.md"
+MAX_SERIES_ROWS = 20
+
+
+def _number(value: Any, spec: str = ",.4g", unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, str):  # non-finite values arrive as "nan" / "inf"
+        return value
+    return f"{value:{spec}}{unit}"
+
+
+def _params(count: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f} {suffix}"
+    return str(count)
+
+
+def _model(model: dict[str, Any]) -> str:
+    text = model["class"]
+    if "family" in model:
+        text += (f" ({model['family']}, pattern `{model['pattern']}`, hidden {model['hidden_size']}, "
+                 f"vocab {model['vocab_size']}, {model['attention']} attention"
+                 + (f", {model['mtp_depths']} MTP depths" if model["mtp_depths"] else "") + ")")
+    text += f", {_params(model['parameters'])} parameters ({_params(model['trainable_parameters'])} trainable)"
+    if model.get("pretrained"):
+        text += f", from `{model['pretrained']}`"
+    return text
+
+
+def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
+    parallel = card.get("parallel_sizes")
+    versions = ", ".join(f"{k} {v}" for k, v in card["versions"].items() if v)
+    window = card.get("averaged_steps")
+    mfu = card.get("mfu")
+    return [
+        ("Status", card["status"]),
+        ("Model", _model(card["model"])),
+        ("Workload", card["workload"] or "n/a"),
+        ("World size", f"{card['world_size']} ({card['num_nodes']} node(s), {card['strategy']})"),
+        ("Parallel sizes", ", ".join(f"{k}={v}" for k, v in parallel.items()) if parallel else "n/a"),
+        ("Global / micro batch size", f"{_number(card['global_batch_size'])} / {_number(card['micro_batch_size'])}"),
+        ("Gradient accumulation", str(card["gradient_accumulation"])),
+        ("Sequence length", _number(card["seq_length"])),
+        ("Precision", card["precision"]),
+        ("Steps", f"{card['steps']} of {card['max_steps']}"),
+        ("Initial loss", _number(card["initial_loss"], ".4f")),
+        ("Final loss", _number(card["final_loss"], ".4f")),
+        (f"Step time (mean of last {window} steps)" if window else "Step time", _number(card.get("step_time_s"), ".4g", " s")),
+        ("Tokens/s/GPU", _number(card.get("tokens_per_s_per_gpu"), ",.0f")),
+        ("Label tokens/s/GPU", _number(card.get("label_tokens_per_s_per_gpu"), ",.0f")),
+        ("Model TFLOP/s/GPU", _number(card.get("tflops_per_gpu"), ".4g")),
+        ("MFU", "n/a (device peak unknown)" if mfu is None else f"{100 * mfu:.1f} % of {card['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s"),
+        ("Device", card.get("device") or "n/a"),
+        ("FLOPs counted by", card.get("flops_method") or "n/a"),
+        ("Peak memory allocated / reserved", f"{_number(card.get('peak_allocated_gib'), '.2f')} / "
+                                              f"{_number(card.get('peak_reserved_gib'), '.2f')} GiB"),
+        ("Peak process RSS", _number(card.get("peak_rss_gib"), ".2f", " GiB")),
+        ("Skipped / NaN steps", f"{_number(card.get('skipped_steps'))} / {_number(card.get('nan_steps'))}"),
+        ("Checkpoints", "<br>".join(f"`{p}`" for p in card["checkpoints"]) or "none"),
+        ("Versions", versions),
+        ("Command", f"`{card['command']}`"),
+        ("Started", card["started"]),
+        ("Wall time", _number(card["wall_time_s"], ".1f", " s")),
+    ]
+
+
+def _series_table(series: dict[str, list]) -> list[str]:
+    steps = series["step"]
+    if not steps:
+        return []
+    stride = max(1, -(-len(steps) // MAX_SERIES_ROWS))
+    picked = sorted(set(range(0, len(steps), stride)) | {len(steps) - 1})
+    lines = ["", "## By step", "", "| Step | Loss | Step time (s) | Tokens/s/GPU | TFLOP/s/GPU |", "|---:|---:|---:|---:|---:|"]
+    for i in picked:
+        lines.append(
+            f"| {steps[i]} | {_number(series['loss'][i], '.4f')} | {_number(series['step_time_s'][i], '.4g')} | "
+            f"{_number(series['tokens_per_s_per_gpu'][i], ',.0f')} | {_number(series['tflops_per_gpu'][i], '.4g')} |"
+        )
+    return lines
+
+
+def _escape_pipes(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(card: dict[str, Any]) -> str:
+    lines = [f"# Run card: {card['name']}", "", "| | |", "|---|---|"]
+    lines += [f"| {field} | {_escape_pipes(value)} |" for field, value in _rows(card)]
+    lines += _series_table(card["series"])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,204 @@
+"""The run card: what ran, on what, how fast and how it went, in ``run_card.json`` and ``run_card.md``.
+
+Its fields are those of the verification cards Megatron-Bridge publishes for its recipes (model, workload,
+world size and parallel sizes, batch sizes, sequence length, precision, initial and final loss, step time,
+TFLOP/s/GPU, tokens/s/GPU, peak memory, skipped and NaN steps, checkpoints, versions, command line), plus the
+per-step series that ``lightning-moe report`` plots. Speed, memory and health figures come from the
+:class:`Throughput`, :class:`PeakMemory` and :class:`HealthCheck` callbacks of the same trainer (absent ones
+leave their fields empty). Written on global rank 0 at the end of ``fit``, and after a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
+from lightning_moe.callbacks.health import HealthCheck
+from lightning_moe.callbacks.memory import PeakMemory
+from lightning_moe.callbacks.step_end import StepEndCallback, step_loss
+from lightning_moe.callbacks.throughput import Throughput
+from lightning_moe.checkpoint.atomic import atomic_write_text
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.flops import mtp_depths
+
+SERIES_FIELDS = ("step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu")
+
+
+def find_callback(trainer: pl.Trainer, kind: type) -> Any:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, kind)), None)
+
+
+def describe_model(pl_module: pl.LightningModule) -> dict[str, Any]:
+    model = getattr(pl_module, "model", None) or pl_module
+    params = list(pl_module.parameters())
+    info: dict[str, Any] = {
+        "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in params),
+        "trainable_parameters": sum(p.numel() for p in params if p.requires_grad),
+        "pretrained": getattr(pl_module, "pretrained", None),
+    }
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig):
+        info.update(family=config.family, pattern=config.pattern, hidden_size=config.hidden_size,
+                    vocab_size=config.vocab_size, attention=config.attention.type, mtp_depths=mtp_depths(config),
+                    config=config.to_dict())
+    elif config is not None:
+        info["config"] = getattr(config, "_name_or_path", None) or type(config).__name__
+    return info
+
+
+def data_shape(datamodule: Any) -> dict[str, Any]:
+    """Batch sizes and sequence length, as the data module states them."""
+    seq_length = getattr(datamodule, "seq_length", None) or getattr(datamodule, "packed_sequence_size", None)
+    return {
+        "global_batch_size": getattr(datamodule, "global_batch_size", None),
+        "micro_batch_size": getattr(datamodule, "micro_batch_size", None),
+        "seq_length": seq_length,
+    }
+
+
+def checkpoints_written(trainer: pl.Trainer) -> list[str]:
+    """Best and last checkpoints of every checkpoint callback, and whatever else their folders hold."""
+    paths: list[str] = []
+    for callback in trainer.checkpoint_callbacks:
+        paths += [p for p in (getattr(callback, "best_model_path", ""), getattr(callback, "last_model_path", "")) if p]
+        folder = getattr(callback, "dirpath", None)
+        if folder and os.path.isdir(folder):
+            paths += [os.path.join(folder, name) for name in sorted(os.listdir(folder))]
+    return list(dict.fromkeys(paths))
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "lightning", "transformers", "lightning-moe"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    found["cuda"] = torch.version.cuda
+    return found
+
+
+def per_step_series(losses: dict[int, float], speeds: list[dict[str, Any]]) -> dict[str, list]:
+    """Aligned per-step arrays (null where a step has no value, or a non-finite one)."""
+    by_step = {s["step"]: s for s in speeds}
+    steps = sorted(set(losses) | set(by_step))
+    series: dict[str, list] = {"step": steps, "loss": [finite_or_none(losses.get(s)) for s in steps]}
+    for field in SERIES_FIELDS:
+        series[field] = [finite_or_none(by_step.get(s, {}).get(field)) for s in steps]
+    return series
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def json_safe(value: Any) -> Any:
+    """Non-finite floats as strings ("nan", "inf"): strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class RunCard(StepEndCallback):
+    """Writes ``run_card.json`` and ``run_card.md`` into the run directory (``trainer.log_dir``).
+
+    Args:
+        name: what the card is titled (a recipe or model name); default: the model class and family.
+        workload: what was run (``pretrain``, ``sft``, ``lora``, a benchmark name); default: the data module class.
+        print_card: also print the Markdown card to stdout at the end.
+    """
+
+    def __init__(self, name: str | None = None, workload: str | None = None, print_card: bool = True) -> None:
+        self.name = name
+        self.workload = workload
+        self.print_card = print_card
+        self.losses: dict[int, float] = {}
+        self.run_dir: Path | None = None
+        self.started = time.time()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            # log_dir is a collective (it broadcasts rank 0's choice): resolve it now, while all ranks are here
+            self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+            self.started = time.time()
+
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        loss = step_loss(trainer, pl_module, outputs)
+        if loss is not None:
+            self.losses[trainer.global_step] = loss
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        health = find_callback(trainer, HealthCheck)
+        stopped = health.stopped_at if health is not None else None
+        self.write(trainer, pl_module, "completed" if stopped is None else f"stopped by HealthCheck at step {stopped}")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:
+            self.write(trainer, pl_module, f"failed: {type(exception).__name__}: {exception}")
+        except Exception as error:  # the run's own exception is the one to see
+            rank_zero_warn(f"RunCard: could not write the card after the failure: {error}")
+
+    def build(self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str) -> dict[str, Any]:
+        throughput = find_callback(trainer, Throughput)
+        memory = find_callback(trainer, PeakMemory)
+        health = find_callback(trainer, HealthCheck)
+        model = describe_model(pl_module)
+        losses = [self.losses[s] for s in sorted(self.losses)]
+        datamodule = trainer.datamodule
+        finished = time.time()
+        return {
+            "name": self.name or " ".join(str(x) for x in (model["class"], model.get("family")) if x),
+            "status": status,
+            "model": model,
+            "workload": self.workload or (type(datamodule).__name__ if datamodule is not None else None),
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "parallel_sizes": getattr(trainer.strategy, "parallel_sizes", None),
+            "strategy": type(trainer.strategy).__name__,
+            **data_shape(datamodule),
+            "gradient_accumulation": trainer.accumulate_grad_batches,
+            "precision": str(trainer.precision),
+            "steps": trainer.global_step,
+            "max_steps": trainer.max_steps,
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            **(throughput.summary() if throughput else {}),
+            **(memory.summary() if memory else {}),
+            **(health.summary() if health else {}),
+            "checkpoints": checkpoints_written(trainer),
+            "versions": versions(),
+            "command": shlex.join(sys.argv),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "wall_time_s": finished - self.started,
+            "series": per_step_series(self.losses, throughput.series() if throughput else []),
+        }
+
+    def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str) -> None:
+        if not trainer.is_global_zero:
+            return
+        card = self.build(trainer, pl_module, status)
+        run_dir = self.run_dir or Path(trainer.default_root_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        markdown = render_markdown(card)
+        atomic_write_text(run_dir / CARD_JSON, json.dumps(json_safe(card), indent=2, allow_nan=False) + "\n")
+        atomic_write_text(run_dir / CARD_MARKDOWN, markdown)
+        if self.print_card:
+            print(markdown, flush=True)

@@ -1,0 +1,70 @@
+"""The end of an optimizer step, as callbacks see it.
+
+With gradient accumulation several ``on_train_batch_end`` calls make one optimizer step; the step is over
+at the first of them after which ``trainer.global_step`` has advanced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_moe.modules.step_stats import StepStats
+
+
+class StepEndCallback(pl.Callback):
+    """Calls :meth:`on_step_end` once per optimizer step. Subclasses that override ``on_train_start`` or
+    ``on_train_batch_end`` call ``super()``."""
+
+    _last_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if trainer.global_step > self._last_step:
+            self._last_step = trainer.global_step
+            self.on_step_end(trainer, pl_module, outputs)
+
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        """``outputs``: what ``training_step`` returned for the step's last micro-batch."""
+
+
+def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepStats | None:
+    """The module's report of the step that just ended, if it writes one (see ``StepStats``)."""
+    stats = getattr(pl_module, "step_stats", None)
+    return stats if isinstance(stats, StepStats) and stats.step == trainer.global_step else None
+
+
+def step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> float | None:
+    """The step's global mean loss from ``StepStats``, else the last micro-batch's returned loss."""
+    stats = step_stats(trainer, pl_module)
+    if stats is not None:
+        return float(stats.loss)
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return None
+    # automatic optimization hands callbacks the loss divided by the accumulation factor
+    scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    return float(loss.detach()) * scale
+
+
+def is_finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Ranks holding different data; TP/CP/EP peers share a batch (see ``ParallelStrategy``)."""
+    return int(getattr(trainer.strategy, "data_parallel_size", trainer.world_size))
+
+
+def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over every rank (a no-op in a single process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return values

@@ -1,0 +1,215 @@
+"""Training speed per optimizer step: step time, tokens/s (per GPU), model TFLOP/s per GPU and MFU.
+
+Written for this package because Lightning's ``ThroughputMonitor`` cannot take the device peak, knows no
+H200, and counts FLOPs per sample instead of from the real packed sequence lengths.
+
+- Step time: from the end of one optimizer step to the end of the next (the first step from its first
+  micro-batch), validation excluded. Data loading and checkpoint writes that fall between steps count.
+- Tokens: all tokens of the global batch, padding included, and the label tokens, from the module's
+  ``StepStats`` (or counted on this rank's micro-batches x data-parallel size).
+- Model FLOPs: :mod:`lightning_moe.models.flops` on every micro-batch this rank sees (its real packed lengths
+  and label tokens), x data-parallel size. Models without a ``ModelConfig`` count 6 x parameters per token.
+- Per GPU: divided by the world size (TP, CP and EP peers included). MFU: per-GPU FLOP/s / device peak.
+
+Logged values are averages over the last ``window`` steps after ``warmup_steps``; per-step values are kept
+in :attr:`Throughput.history` for the run card.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_moe.callbacks.peak_flops import lookup_peak_flops, matmul_precision
+from lightning_moe.callbacks.step_end import StepEndCallback, data_parallel_size, step_stats
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.flops import batch_flops
+from lightning_moe.models.layers.loss import IGNORE_INDEX
+
+RATE_NAMES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "label_tokens_per_s_per_gpu",
+              "tflops_per_gpu", "mfu")
+
+
+@dataclass
+class StepSpeed:
+    step: int
+    step_time_s: float
+    tokens: int
+    label_tokens: int
+    flops: float  # model FLOPs of the global batch
+
+    def rates(self, world_size: int, peak_flops: float | None) -> dict[str, float | None]:
+        flops_per_gpu = self.flops / self.step_time_s / world_size
+        return {
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens / self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens / self.step_time_s / world_size,
+            "label_tokens_per_s_per_gpu": self.label_tokens / self.step_time_s / world_size,
+            "tflops_per_gpu": flops_per_gpu / 1e12,
+            "mfu": flops_per_gpu / peak_flops if peak_flops else None,
+        }
+
+
+def window_speed(steps: list[StepSpeed]) -> StepSpeed:
+    """Steps pooled: mean step time, mean tokens and FLOPs per step."""
+    n = len(steps)
+    return StepSpeed(
+        step=steps[-1].step,
+        step_time_s=sum(s.step_time_s for s in steps) / n,
+        tokens=round(sum(s.tokens for s in steps) / n),
+        label_tokens=round(sum(s.label_tokens for s in steps) / n),
+        flops=sum(s.flops for s in steps) / n,
+    )
+
+
+class Throughput(StepEndCallback):
+    """Logs ``perf/*`` at every optimizer step; step time and tokens/s/GPU also go to the progress bar.
+
+    Args:
+        window: steps averaged in the logged values and the run card (the last N).
+        warmup_steps: first steps of the run left out of the averages (benchmarks: compile, allocator warmup).
+        peak_flops: the device's peak FLOP/s (a number), or ``{device-name fragment: FLOP/s}`` entries that
+            take precedence over the built-in table. Without it MFU is None on devices the table lacks (CPU).
+        peak_precision: the table column, ``bf16`` | ``fp8`` | ``mxfp8`` | ``tf32``; default from the
+            trainer's precision (FP8 training converts the model, so say ``fp8`` / ``mxfp8`` here).
+    """
+
+    def __init__(self, window: int = 10, warmup_steps: int = 0, peak_flops: float | dict[str, float] | None = None,
+                 peak_precision: str | None = None) -> None:
+        if window < 1:
+            raise ValueError(f"Throughput(window={window}): needs at least 1 step")
+        if warmup_steps < 0:
+            raise ValueError(f"Throughput(warmup_steps={warmup_steps}): must be >= 0")
+        self.window = window
+        self.warmup_steps = warmup_steps
+        self.peak_flops_setting = peak_flops
+        self.peak_precision = peak_precision
+        self.history: list[StepSpeed] = []
+        self._recent: deque[StepSpeed] = deque(maxlen=window)
+        # refined in on_train_start; these stand if the run fails before it
+        self.config: ModelConfig | None = None
+        self.trainable_fraction = 1.0
+        self.flops_method = None
+        self.world_size = self.data_parallel_size = 1
+        self.device_name = None
+        self.precision = peak_precision
+        self.peak_flops = float(peak_flops) if isinstance(peak_flops, (int, float)) else None
+        self._steps_run = 0
+        self._step_start: float | None = None
+        self._validation_start: float | None = None
+        self._reset_step()
+
+    # ------------------------------------------------------------------ setup
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        model = getattr(pl_module, "model", None)
+        config = getattr(model, "config", None)
+        self.config = config if isinstance(config, ModelConfig) else None
+        params = list(pl_module.parameters())
+        total = sum(p.numel() for p in params)
+        self.trainable_fraction = sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
+        # forward 2N, input gradients 2N, weight gradients 2N x trainable fraction
+        self.flops_per_param_token = 2.0 * total * (2.0 + self.trainable_fraction)
+        self.flops_method = (
+            "lightning_moe.models.flops (model config, real packed lengths)" if self.config is not None
+            else "6 x parameters per token (the model has no ModelConfig)"
+        )
+        self.world_size = trainer.world_size
+        self.data_parallel_size = data_parallel_size(trainer)
+        device = pl_module.device
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        self.precision = self.peak_precision or matmul_precision(str(trainer.precision))
+        if not isinstance(self.peak_flops_setting, (int, float)):
+            self.peak_flops = lookup_peak_flops(self.device_name, self.precision, self.peak_flops_setting)
+        self._steps_run = 0
+        self._step_start = None
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._flops = 0.0
+        self._tokens = 0
+        self._label_tokens = 0
+
+    # ------------------------------------------------------------------ timing
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None and self._step_start is not None:
+            self._step_start += time.perf_counter() - self._validation_start
+        self._validation_start = None
+
+    # ------------------------------------------------------------------ counting
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ValueError("Throughput: batches must be dicts with 'input_ids' (and 'position_ids', 'labels')")
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels")
+        self._tokens += input_ids.numel()
+        if labels is not None:
+            self._label_tokens += int((labels != IGNORE_INDEX).sum())
+        if self.config is None:
+            self._flops += self.flops_per_param_token * input_ids.numel()
+        else:
+            position_ids = batch.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            self._flops += batch_flops(self.config, position_ids, labels, self.trainable_fraction)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        now = time.perf_counter()
+        stats = step_stats(trainer, pl_module)
+        dp = self.data_parallel_size
+        speed = StepSpeed(
+            step=trainer.global_step,
+            step_time_s=max(now - self._step_start, 1e-9),
+            tokens=stats.tokens if stats is not None else self._tokens * dp,
+            label_tokens=stats.label_tokens if stats is not None else self._label_tokens * dp,
+            flops=self._flops * dp,
+        )
+        self._step_start = now
+        self._reset_step()
+        self._steps_run += 1
+        self.history.append(speed)
+        if self._steps_run > self.warmup_steps:
+            self._recent.append(speed)
+        pooled = window_speed(list(self._recent)) if self._recent else speed
+        for name, value in pooled.rates(self.world_size, self.peak_flops).items():
+            if value is not None:
+                pl_module.log(f"perf/{name}", value, on_step=True, on_epoch=False, batch_size=1,
+                              prog_bar=name in ("step_time_s", "tokens_per_s_per_gpu"))
+
+    # ------------------------------------------------------------------ run card
+    def summary(self) -> dict[str, Any]:
+        """Averages over the last ``window`` steps after warmup (None before any), and how they were made."""
+        rates = (
+            window_speed(list(self._recent)).rates(self.world_size, self.peak_flops) if self._recent
+            else dict.fromkeys(RATE_NAMES)
+        )
+        return {
+            **rates,
+            "averaged_steps": len(self._recent),
+            "warmup_steps": self.warmup_steps,
+            "device": self.device_name,
+            "peak_flops_per_gpu": self.peak_flops,
+            "peak_precision": self.precision,
+            "flops_method": self.flops_method,
+            "trainable_fraction": self.trainable_fraction,
+        }
+
+    def series(self) -> list[dict[str, Any]]:
+        """Every step of this run: its own time, tokens, FLOPs and rates (not averaged)."""
+        return [{**asdict(s), **s.rates(self.world_size, self.peak_flops)} for s in self.history]

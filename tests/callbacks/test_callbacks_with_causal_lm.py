@@ -1,0 +1,56 @@
+"""All callbacks with the package's CausalLM: its StepStats feed the throughput, the card's losses are the ones
+the module logged, and a skipped NaN step reaches the module as a skipped step."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import lightning.pytorch as pl
+import pytest
+from tiny_lm import MICRO_BATCH, SEQ, loader, make_trainer, tiny_config
+
+from lightning_moe.callbacks import HealthCheck, PeakMemory, RunCard, Throughput
+from lightning_moe.modules import CausalLM
+
+
+class NaNAtStep2(CausalLM):
+    """NaN gradients at step 2 (the reported loss, summed before the objective, stays finite)."""
+
+    def training_step(self, batch, batch_idx):
+        objective = super().training_step(batch, batch_idx)
+        return objective * float("nan") if self.trainer.global_step == 1 else objective
+
+
+class StatsLog(pl.Callback):
+    def __init__(self) -> None:
+        self.stats = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.step_stats is not None:
+            self.stats[pl_module.step_stats.step] = pl_module.step_stats
+
+
+def test_callbacks_with_causal_lm(tmp_path):
+    accumulate, steps = 2, 4
+    throughput, health, stats = Throughput(window=2), HealthCheck(), StatsLog()
+    callbacks = [throughput, PeakMemory(), health, RunCard(print_card=False), stats]
+    trainer = make_trainer(tmp_path, callbacks, max_steps=steps, accumulate_grad_batches=accumulate)
+    with pytest.warns(UserWarning, match="step 2: non-finite gradients"):
+        trainer.fit(NaNAtStep2(model=tiny_config()), loader())
+
+    assert [s.tokens for s in throughput.history] == [MICRO_BATCH * SEQ * accumulate] * steps
+    assert [s.label_tokens for s in throughput.history] == [stats.stats[i].label_tokens for i in range(1, steps + 1)]
+    assert "model config" in throughput.summary()["flops_method"]
+    assert stats.stats[2].skipped and not stats.stats[3].skipped
+    assert health.skipped_steps == [2]
+
+    card = json.loads((tmp_path / "run" / "version_0" / "run_card.json").read_text())
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    # the module logs at step index global_step - 1 (before the optimizer step ends)
+    assert len(logged) == steps
+    assert card["series"]["step"] == [1, 2, 3, 4]
+    assert card["series"]["loss"] == pytest.approx([logged[step - 1] for step in (1, 2, 3, 4)], rel=1e-6)
+    assert card["skipped_steps"] == 1 and card["nan_steps"] == 1
+    assert {"train/loss", "perf/step_time_s", "perf/tokens_per_s_per_gpu"} <= set(trainer.progress_bar_metrics)

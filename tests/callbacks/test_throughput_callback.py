@@ -1,0 +1,139 @@
+"""Throughput in a real Lightning run: step times against the wall clock, tokens against the data fed in,
+FLOPs against the model-FLOPs formula on the very batches, MFU against the given peak."""
+
+from __future__ import annotations
+
+import csv
+import time
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+from tiny_lm import MICRO_BATCH, SEQ, PackedRows, TinyLM, loader, make_trainer, tiny_config
+
+from lightning_moe.callbacks import Throughput
+from lightning_moe.callbacks.peak_flops import PEAK_FLOPS, lookup_peak_flops
+from lightning_moe.models.flops import batch_flops
+
+
+class WallClock(pl.Callback):
+    """Wall time from the first micro-batch to the last step's end, and the validation runs in between."""
+
+    def __init__(self) -> None:
+        self.start = self.end = None
+        self.validations: list[tuple[float, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start = self.start or time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.end = time.perf_counter()
+
+    def on_validation_start(self, trainer, pl_module):
+        self._val = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations.append((self._val, time.perf_counter()))
+
+    def validating(self) -> float:
+        return sum(end - start for start, end in self.validations if end <= self.end)
+
+
+class SlowValidation(TinyLM):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.2)
+
+
+def logged_rows(trainer) -> list[dict[str, str]]:
+    with open(f"{trainer.logger.log_dir}/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_throughput_counts_steps_tokens_and_flops(tmp_path):
+    accumulate, steps = 2, 5
+    throughput = Throughput(window=3, warmup_steps=1, peak_flops=2e12)
+    clock = WallClock()  # after Throughput: its step end is timed after Throughput's
+    trainer = make_trainer(tmp_path, [throughput, clock], max_steps=steps, accumulate_grad_batches=accumulate)
+    trainer.fit(TinyLM(), loader())
+
+    history = throughput.history
+    assert [s.step for s in history] == list(range(1, steps + 1))
+    # the intervals tile the wall time of training
+    assert sum(s.step_time_s for s in history) == pytest.approx(clock.end - clock.start, rel=0.05)
+
+    data = PackedRows()
+    per_step = MICRO_BATCH * accumulate
+    for s in history:
+        rows = slice((s.step - 1) * per_step, s.step * per_step)
+        assert s.tokens == per_step * SEQ
+        assert s.label_tokens == int((data.labels[rows] != -100).sum())
+        micro = [slice(r, r + MICRO_BATCH) for r in range(rows.start, rows.stop, MICRO_BATCH)]
+        expected = sum(batch_flops(tiny_config(), data.position_ids[m], data.labels[m]) for m in micro)
+        assert s.flops == pytest.approx(expected)
+
+    summary = throughput.summary()
+    averaged = history[-3:]
+    mean_time = sum(s.step_time_s for s in averaged) / 3
+    assert summary["averaged_steps"] == 3
+    assert summary["step_time_s"] == pytest.approx(mean_time)
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(per_step * SEQ / mean_time)
+    flops_per_s = sum(s.flops for s in averaged) / 3 / mean_time
+    assert summary["tflops_per_gpu"] == pytest.approx(flops_per_s / 1e12)
+    assert summary["mfu"] == pytest.approx(flops_per_s / 2e12)
+
+    # the progress bar shows step time and tokens/s/GPU; the logger gets every perf/* figure
+    assert {"perf/step_time_s", "perf/tokens_per_s_per_gpu"} <= set(trainer.progress_bar_metrics)
+    rows = [r for r in logged_rows(trainer) if r.get("perf/tflops_per_gpu")]
+    assert len(rows) == steps
+    assert float(rows[-1]["perf/step_time_s"]) == pytest.approx(mean_time)
+
+
+def test_throughput_excludes_validation_and_has_no_mfu_on_cpu(tmp_path):
+    throughput, clock = Throughput(window=10), WallClock()
+    trainer = make_trainer(tmp_path, [throughput, clock], max_steps=4, val_check_interval=2,
+                           limit_val_batches=2, check_val_every_n_epoch=None)
+    trainer.fit(SlowValidation(), loader(), loader(rows=4, seed=1))
+    # validation after steps 2 and 4; the second one comes after the last step
+    assert len(clock.validations) == 2 and clock.validating() >= 0.4
+    total = sum(s.step_time_s for s in throughput.history)
+    assert total == pytest.approx(clock.end - clock.start - clock.validating(), rel=0.05)
+    summary = throughput.summary()
+    assert summary["device"] == "cpu" and summary["mfu"] is None and summary["peak_flops_per_gpu"] is None
+
+
+def test_models_without_a_model_config_count_six_flops_per_parameter_and_token(tmp_path):
+    class Plain(TinyLM):
+        def __init__(self):
+            super().__init__()
+            # like a transformers model: a config object, but not a ModelConfig
+            self.model.config = SimpleNamespace(**self.model.config.to_dict())
+
+    throughput = Throughput()
+    make_trainer(tmp_path, [throughput], max_steps=2).fit(Plain(), loader())
+    params = sum(p.numel() for p in TinyLM().parameters())
+    assert throughput.history[0].flops == pytest.approx(6 * params * MICRO_BATCH * SEQ)
+    assert "6 x parameters" in throughput.summary()["flops_method"]
+
+
+def test_peak_flops_table_and_overrides():
+    assert lookup_peak_flops("NVIDIA H200", "bf16") == 989e12
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert lookup_peak_flops("NVIDIA H100 80GB HBM3", "fp8") == 1979e12
+    assert lookup_peak_flops("NVIDIA B200", "bf16") == 2.25e15
+    assert lookup_peak_flops("NVIDIA GB200", "bf16") == 2.5e15
+    assert lookup_peak_flops("NVIDIA GB200", "mxfp8") == 5e15
+    assert lookup_peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert lookup_peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None  # Ampere has no FP8
+    assert lookup_peak_flops("NVIDIA H100 PCIe", "bf16") < lookup_peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert lookup_peak_flops("cpu", "bf16") is None
+    assert lookup_peak_flops("NVIDIA H200", "bf16", {"H200": 1.0e15}) == 1.0e15
+    assert lookup_peak_flops("cpu", "tf32", {"cpu": 2e12}) == 2e12
+    hopper_blackwell = [name for name in PEAK_FLOPS if name[0] in "HBG"]
+    assert all(PEAK_FLOPS[n]["fp8"] == pytest.approx(2 * PEAK_FLOPS[n]["bf16"], rel=1e-3) for n in hopper_blackwell)
+
+
+def test_throughput_rejects_bad_settings():
+    with pytest.raises(ValueError, match="window"):
+        Throughput(window=0)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        Throughput(warmup_steps=-1)
