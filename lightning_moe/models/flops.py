@@ -11,6 +11,7 @@ Conventions (those of Megatron-Bridge's published TFLOP/s/GPU, except where note
   and a sliding window ``w`` has ``sum_i min(i, w)``. Kernels that fill the whole ``S x S`` square of a row
   (sdpa's math path, ``torch.utils.flop_counter``'s count) do more work on the scores than is reported here.
 - MoE: router + ``top_k`` routed experts + shared experts + latent projections.
+- Mamba-2: projections and conv, plus the chunked SSD scan of each real sequence (see :func:`mamba_flops`).
 - Output layer: ``2*hidden*vocab`` per token whose logits are computed. The fused loss computes logits only
   for tokens with a label, so an SFT batch counts its label tokens (Megatron counts every token; the two
   agree for pretraining). Each enabled MTP depth adds its projection, its blocks and one more output layer.
@@ -122,8 +123,27 @@ def moe_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> Forwar
     return ForwardFlops(weights=total)
 
 
+def mamba_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    """Mamba-2 mixer. Weights: in/out projections and the depthwise conv (``conv_kernel`` multiply-adds per
+    channel). Activations, the chunked SSD scan of each sequence: ``C B^T`` (per group) and its product with
+    ``x`` (per head) over the full square of every chunk (a last, partial chunk of ``r`` tokens counts ``r^2``),
+    the state each chunk leaves and its read-out by ``C`` (per token), and the decay of states across chunks
+    (chunks squared). The gated norm is a norm: not counted."""
+    mamba, hidden, tokens = cfg.mamba, cfg.hidden_size, seqs.tokens
+    inner, bc = mamba.num_heads * mamba.head_dim, mamba.n_groups * mamba.state_size
+    conv_dim = inner + 2 * bc
+    weights = 2.0 * tokens * (hidden * (inner + conv_dim + mamba.num_heads) + inner * hidden + mamba.conv_kernel * conv_dim)
+    full, rest = seqs.lengths // mamba.chunk_size, seqs.lengths % mamba.chunk_size
+    square = int((full * mamba.chunk_size**2 + rest**2).sum())
+    chunks = full + (rest > 0)
+    scan = 2.0 * square * (bc + inner) + 2 * 2.0 * tokens * inner * mamba.state_size
+    scan += 2.0 * int((chunks**2).sum()) * inner * mamba.state_size
+    return ForwardFlops(weights=weights, activations=scan)
+
+
 BLOCK_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int], ForwardFlops]] = {
     "*": attention_flops,
+    "M": mamba_flops,
     "-": mlp_flops,
     "E": moe_flops,
 }

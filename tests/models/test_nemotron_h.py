@@ -275,3 +275,40 @@ def test_disabled_mtp_keeps_weights_and_skips_its_loss(hub_checkpoint):
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(5))
     out = model(ids, labels=ids)
     assert out.mtp_loss_sums == [] and any(n.startswith("mtp.depths.1.") for n in model.state_dict())
+
+
+# ---------------------------------------------------------------------------------- FLOPs
+def test_flops_match_flop_counter():
+    """Training FLOPs from the config (Mamba scan, MoE, attention, MTP) against FlopCounterMode on a real step.
+
+    FlopCounterMode counts matmuls only, so two terms are swapped for what it sees: the causal attention
+    score pairs for sdpa's math path full square (torch's own formula), and the conv's multiply-adds
+    (elementwise taps) are left out. Rows are whole chunks, so the scan's chunk squares are what runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.models.flops import batch_flops
+
+    cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
+    cfg.moe.backend = "loop"  # per-expert matmuls, which FlopCounterMode counts
+    batch, seq = 2, 4 * cfg.mamba.chunk_size
+    torch.manual_seed(0)
+    model = Decoder(cfg).train()
+    model.init_weights()
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    labels = ids.roll(-1, dims=1).masked_fill(torch.rand(batch, seq, generator=gen) < 0.3, -100)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(ids, labels=labels)
+        (out.loss_sum + sum(out.mtp_loss_sums) + out.aux_loss).backward()
+
+    expected = batch_flops(cfg, torch.arange(seq).expand(batch, -1), labels)
+    att, mamba = cfg.attention, cfg.mamba
+    attention_blocks = cfg.pattern.count("*") + cfg.mtp.num_layers * cfg.mtp.pattern.count("*")
+    causal_scores = 2 * 2 * att.num_heads * att.head_dim * batch * seq * (seq + 1) // 2
+    q, kv = (batch, att.num_heads, seq, att.head_dim), (batch, att.num_kv_heads, seq, att.head_dim)
+    expected += 3 * attention_blocks * (sdpa_flop_count(q, kv, kv) - causal_scores)
+    conv_dim = mamba.num_heads * mamba.head_dim + 2 * mamba.n_groups * mamba.state_size
+    expected -= 3 * cfg.pattern.count("M") * 2 * batch * seq * mamba.conv_kernel * conv_dim
+    assert counter.get_total_flops() == pytest.approx(expected, rel=1e-6)
