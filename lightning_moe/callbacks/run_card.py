@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
 from lightning_moe.callbacks.health import HealthCheck
 from lightning_moe.callbacks.memory import PeakMemory
-from lightning_moe.callbacks.step_end import StepEndCallback, step_loss
+from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
 from lightning_moe.callbacks.throughput import Throughput
 from lightning_moe.checkpoint.atomic import atomic_write_text
 from lightning_moe.models.config import ModelConfig
@@ -130,7 +130,7 @@ class RunCard(StepEndCallback):
         self.name = name
         self.workload = workload
         self.print_card = print_card
-        self.losses: dict[int, float] = {}
+        self.losses = StepSeries()
         self.run_dir: Path | None = None
         self.started = time.time()
 
@@ -143,7 +143,7 @@ class RunCard(StepEndCallback):
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         loss = step_loss(trainer, pl_module, outputs)
         if loss is not None:
-            self.losses[trainer.global_step] = loss
+            self.losses.add(trainer.global_step, loss)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         health = find_callback(trainer, HealthCheck)
@@ -161,7 +161,7 @@ class RunCard(StepEndCallback):
         memory = find_callback(trainer, PeakMemory)
         health = find_callback(trainer, HealthCheck)
         model = describe_model(pl_module)
-        losses = [self.losses[s] for s in sorted(self.losses)]
+        losses = self.losses.values()
         datamodule = trainer.datamodule
         finished = time.time()
         return {
@@ -188,7 +188,7 @@ class RunCard(StepEndCallback):
             "command": shlex.join(sys.argv),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "wall_time_s": finished - self.started,
-            "series": per_step_series(self.losses, throughput.series() if throughput else []),
+            "series": per_step_series(self.losses.by_step, throughput.series() if throughput else []),
         }
 
     def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str) -> None:

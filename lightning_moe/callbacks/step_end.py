@@ -68,3 +68,24 @@ def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return values
+
+
+class StepSeries:
+    """Per-step values, thinned to every 2nd, 4th, ... step whenever more than ``limit`` are held, so a long
+    run keeps an evenly spaced series of bounded size (always including step multiples of the stride)."""
+
+    def __init__(self, limit: int = 5000) -> None:
+        self.limit = limit
+        self.stride = 1
+        self.by_step: dict[int, Any] = {}
+
+    def add(self, step: int, value: Any) -> None:
+        if step % self.stride:
+            return
+        self.by_step[step] = value
+        if len(self.by_step) > self.limit:
+            self.stride *= 2
+            self.by_step = {s: v for s, v in self.by_step.items() if s % self.stride == 0}
+
+    def values(self) -> list[Any]:
+        return list(self.by_step.values())

@@ -12,7 +12,7 @@ H200, and counts FLOPs per sample instead of from the real packed sequence lengt
 - Per GPU: divided by the world size (TP, CP and EP peers included). MFU: per-GPU FLOP/s / device peak.
 
 Logged values are averages over the last ``window`` steps after ``warmup_steps``; per-step values are kept
-in :attr:`Throughput.history` for the run card.
+in :attr:`Throughput.history` for the run card (thinned evenly in long runs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_moe.callbacks.peak_flops import lookup_peak_flops, matmul_precision
-from lightning_moe.callbacks.step_end import StepEndCallback, data_parallel_size, step_stats
+from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, data_parallel_size, step_stats
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import batch_flops
 from lightning_moe.models.layers.loss import IGNORE_INDEX
@@ -90,7 +90,7 @@ class Throughput(StepEndCallback):
         self.warmup_steps = warmup_steps
         self.peak_flops_setting = peak_flops
         self.peak_precision = peak_precision
-        self.history: list[StepSpeed] = []
+        self.history = StepSeries()
         self._recent: deque[StepSpeed] = deque(maxlen=window)
         # refined in on_train_start; these stand if the run fails before it
         self.config: ModelConfig | None = None
@@ -183,7 +183,7 @@ class Throughput(StepEndCallback):
         self._step_start = now
         self._reset_step()
         self._steps_run += 1
-        self.history.append(speed)
+        self.history.add(speed.step, speed)
         if self._steps_run > self.warmup_steps:
             self._recent.append(speed)
         pooled = window_speed(list(self._recent)) if self._recent else speed
@@ -212,4 +212,4 @@ class Throughput(StepEndCallback):
 
     def series(self) -> list[dict[str, Any]]:
         """Every step of this run: its own time, tokens, FLOPs and rates (not averaged)."""
-        return [{**asdict(s), **s.rates(self.world_size, self.peak_flops)} for s in self.history]
+        return [{**asdict(s), **s.rates(self.world_size, self.peak_flops)} for s in self.history.values()]

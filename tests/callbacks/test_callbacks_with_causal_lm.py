@@ -39,8 +39,8 @@ def test_callbacks_with_causal_lm(tmp_path):
     with pytest.warns(UserWarning, match="step 2: non-finite gradients"):
         trainer.fit(NaNAtStep2(model=tiny_config()), loader())
 
-    assert [s.tokens for s in throughput.history] == [MICRO_BATCH * SEQ * accumulate] * steps
-    assert [s.label_tokens for s in throughput.history] == [stats.stats[i].label_tokens for i in range(1, steps + 1)]
+    assert [s.tokens for s in throughput.history.values()] == [MICRO_BATCH * SEQ * accumulate] * steps
+    assert [s.label_tokens for s in throughput.history.values()] == [stats.stats[i].label_tokens for i in range(1, steps + 1)]
     assert "model config" in throughput.summary()["flops_method"]
     assert stats.stats[2].skipped and not stats.stats[3].skipped
     assert health.skipped_steps == [2]

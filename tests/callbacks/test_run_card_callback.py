@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_lm import MICRO_BATCH, SEQ, TinyLM, loader, make_trainer
 
 from lightning_moe.callbacks import HealthCheck, PeakMemory, RunCard, Throughput
+from lightning_moe.callbacks.step_end import StepSeries
 
 
 class Data(pl.LightningDataModule):
@@ -108,3 +109,12 @@ def test_without_step_stats_the_card_takes_the_last_micro_batch_loss(tmp_path):
     card = json.loads((tmp_path / "run" / "version_0" / "run_card.json").read_text())
     last_micro = [losses.micro[2 * step - 1][0] for step in (1, 2, 3)]
     assert card["series"]["loss"] == pytest.approx(last_micro, rel=1e-6)
+
+
+def test_long_runs_keep_an_evenly_thinned_series():
+    series = StepSeries(limit=100)
+    for step in range(1, 1001):
+        series.add(step, float(step))
+    steps = list(series.by_step)
+    assert 50 <= len(steps) <= 100
+    assert steps == list(range(series.stride, 1001, series.stride)) and series.stride == 16

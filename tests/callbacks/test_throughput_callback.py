@@ -56,7 +56,7 @@ def test_throughput_counts_steps_tokens_and_flops(tmp_path):
     trainer = make_trainer(tmp_path, [throughput, clock], max_steps=steps, accumulate_grad_batches=accumulate)
     trainer.fit(TinyLM(), loader())
 
-    history = throughput.history
+    history = throughput.history.values()
     assert [s.step for s in history] == list(range(1, steps + 1))
     # the intervals tile the wall time of training
     assert sum(s.step_time_s for s in history) == pytest.approx(clock.end - clock.start, rel=0.05)
@@ -95,7 +95,7 @@ def test_throughput_excludes_validation_and_has_no_mfu_on_cpu(tmp_path):
     trainer.fit(SlowValidation(), loader(), loader(rows=4, seed=1))
     # validation after steps 2 and 4; the second one comes after the last step
     assert len(clock.validations) == 2 and clock.validating() >= 0.4
-    total = sum(s.step_time_s for s in throughput.history)
+    total = sum(s.step_time_s for s in throughput.history.values())
     assert total == pytest.approx(clock.end - clock.start - clock.validating(), rel=0.05)
     summary = throughput.summary()
     assert summary["device"] == "cpu" and summary["mfu"] is None and summary["peak_flops_per_gpu"] is None
@@ -111,7 +111,7 @@ def test_models_without_a_model_config_count_six_flops_per_parameter_and_token(t
     throughput = Throughput()
     make_trainer(tmp_path, [throughput], max_steps=2).fit(Plain(), loader())
     params = sum(p.numel() for p in TinyLM().parameters())
-    assert throughput.history[0].flops == pytest.approx(6 * params * MICRO_BATCH * SEQ)
+    assert throughput.history.values()[0].flops == pytest.approx(6 * params * MICRO_BATCH * SEQ)
     assert "6 x parameters" in throughput.summary()["flops_method"]
 
 
