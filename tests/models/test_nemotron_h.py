@@ -312,3 +312,54 @@ def test_flops_match_flop_counter():
     conv_dim = mamba.num_heads * mamba.head_dim + 2 * mamba.n_groups * mamba.state_size
     expected -= 3 * cfg.pattern.count("M") * 2 * batch * seq * mamba.conv_kernel * conv_dim
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------- LoRA
+def test_lora_adapts_mamba_experts_and_mtp_layers(tmp_path):
+    """Adapters on Mamba projections, stacked experts and MTP layers: the adapted model equals transformers
+    loading the merged export (backbone logits), and a plain model holding the merged weights (MTP losses)."""
+    import transformers
+
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.peft import (
+        LoraConfig,
+        apply_lora,
+        export_merged_hf,
+        merged_state_dict,
+        reset_lora_parameters,
+    )
+
+    cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    targets = apply_lora(model, LoraConfig(r=4, target_experts=True, include_mtp=True))
+    for name in ("layers.0.mamba.in_proj", "layers.4.mamba.out_proj", "mtp.depths.0.eh_proj",
+                 "mtp.depths.1.layers.0.attn.q_proj", "mtp.depths.1.layers.1.moe.shared_experts.up_proj"):
+        assert name in targets.linears, name
+    assert {"layers.1.moe.experts", "mtp.depths.1.layers.1.moe.experts"} <= set(targets.experts)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    reset_lora_parameters(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_(0.0, 0.05)  # adapters that change the output
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(7))
+    plain = Decoder(cfg)
+    plain.load_state_dict(merged_state_dict(model))
+    out, want = model(ids, labels=ids), plain(ids, labels=ids)
+    for got, ref in zip([out.loss_sum, *out.mtp_loss_sums], [want.loss_sum, *want.mtp_loss_sums], strict=True):
+        assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+
+    export_merged_hf(model, tmp_path / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= TOL
+
+    (out.loss_sum + sum(out.mtp_loss_sums)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_" in n for n in grads)
+    for name in ("layers.0.mamba.in_proj.lora_A.default.weight", "mtp.depths.1.layers.1.moe.experts.adapter.lora_B.up"):
+        assert grads[name] is not None and grads[name].abs().sum() > 0, name
