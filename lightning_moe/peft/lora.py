@@ -99,20 +99,20 @@ def _eligible(model: nn.Module, include_mtp: bool) -> tuple[list[str], list[str]
 def select_targets(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
     """The module names ``cfg`` selects, with a clear error for every pattern that selects nothing."""
     linears, experts, mtp = _eligible(model, cfg.include_mtp)
-    chosen: list[str] = []
+    chosen: set[str] = set()
     for pattern in cfg.target_modules:
         hits = [n for n in linears if matches(n, pattern)]
         if not hits:
             hint = ""
-            if any(matches(n, pattern) for n in mtp):
-                hint = "; it matches mtp.* layers: set include_mtp: true"
-            elif any(matches(n, pattern) for n in experts):
+            if any(matches(n, pattern) for n in experts):
                 hint = "; stacked experts are adapted with target_experts: true"
+            elif any(matches(n, pattern) for n in mtp):
+                hint = "; it matches mtp.* layers: set include_mtp: true"
             raise ValueError(
                 f"peft.target_modules pattern {pattern!r} matches no linear layer{hint} "
                 f"(linear layers: {_examples(linears)})"
             )
-        chosen += [n for n in hits if n not in chosen]
+        chosen.update(hits)
     chosen_experts = list(experts) if cfg.target_experts else []
     if cfg.target_experts and not experts:
         raise ValueError("peft.target_experts is true but the model has no MoE experts"
@@ -123,11 +123,11 @@ def select_targets(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
                 f"peft.exclude_modules pattern {pattern!r} matches no linear layer or experts "
                 f"(names: {_examples(linears + experts)})"
             )
-        chosen = [n for n in chosen if not matches(n, pattern)]
+        chosen = {n for n in chosen if not matches(n, pattern)}
         chosen_experts = [n for n in chosen_experts if not matches(n, pattern)]
     if not chosen and not chosen_experts:
         raise ValueError("peft: exclude_modules removes every target; nothing would be trained")
-    return LoraTargets(chosen, chosen_experts)
+    return LoraTargets([n for n in linears if n in chosen], chosen_experts)
 
 
 def _examples(names: list[str], limit: int = 6) -> str:

@@ -1,0 +1,139 @@
+"""LoRA training on the native decoder: only adapters move, experts and MTP layers get adapter gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
+from lightning_moe.models.decoder import Decoder
+from lightning_moe.peft import LoraConfig, apply_lora, is_adapter_parameter, reset_lora_parameters
+
+
+def moe_mtp_config(**moe) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=96, hidden_size=32, pattern="*-*E",
+        attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8),
+        mlp=MLPConfig(intermediate_size=48), moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, **moe),
+        mtp=MTPConfig(num_layers=1, pattern="*E"),
+    )
+
+
+def lora_model(cfg: ModelConfig, lora: LoraConfig) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    apply_lora(model, lora)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    reset_lora_parameters(model)
+    return model
+
+
+def step_loss(model: Decoder, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 16), generator=g)
+    labels = torch.randint(0, 96, (2, 16), generator=g)
+    out = model(ids, labels=labels)
+    return (out.loss_sum + 0.3 * sum(out.mtp_loss_sums)) / out.num_label_tokens
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_only_adapters_change_and_experts_and_mtp_adapters_train(activation):
+    model = lora_model(moe_mtp_config(activation=activation),
+                       LoraConfig(r=4, alpha=8, target_experts=True, include_mtp=True))
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_parameter(n)}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_parameter(n)}
+    assert all(p.requires_grad == is_adapter_parameter(n) for n, p in model.named_parameters())
+    assert any(".experts.adapter.lora_A" in n for n in adapters)
+    assert any(n.startswith("mtp.depths.0.layers.1.moe.experts.adapter") for n in adapters)
+    assert any(n.startswith("mtp.depths.0.eh_proj.lora_A") for n in adapters)
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        step_loss(model, step).backward()
+        if step == 2:  # B moved off zero at step 1, so every A and B has a gradient now
+            dead = [n for n, p in model.named_parameters() if p.requires_grad and not p.grad.abs().sum() > 0]
+            assert not dead, dead
+        opt.step()
+        opt.zero_grad()
+    for name, value in base.items():
+        assert torch.equal(model.get_parameter(name), value), name
+    moved = [n for n, v in adapters.items() if not torch.equal(model.get_parameter(n), v)]
+    assert len(moved) == len(adapters)
+
+
+def test_adapted_model_starts_equal_to_base_and_dropout_only_in_training():
+    cfg = moe_mtp_config()
+    plain = lora_model(cfg, LoraConfig(r=4, dropout=0.5, target_experts=True, include_mtp=True))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        reference = Decoder(cfg)
+    reference.to_empty(device="cpu")
+    torch.manual_seed(0)
+    reference.init_weights()
+    # B = 0: the adapted model computes the base model
+    assert torch.equal(plain.eval()(ids), reference.eval()(ids))
+
+
+def test_frozen_base_in_bf16_with_fp32_adapters_trains():
+    model = lora_model(moe_mtp_config(), LoraConfig(r=4, target_experts=True, base_dtype="bfloat16"))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["layers.0.attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["layers.3.moe.experts.up_proj"] == torch.bfloat16
+    assert dtypes["layers.0.attn.q_proj.lora_A.default.weight"] == torch.float32
+    assert dtypes["layers.3.moe.experts.adapter.lora_B.gate_up"] == torch.float32
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = step_loss(model, 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_target_patterns_select_and_exclude():
+    with torch.device("meta"):
+        model = Decoder(moe_mtp_config())
+    targets = apply_lora(model, LoraConfig(target_modules=["attn.q_proj", "layers.*.mlp.*"],
+                                           exclude_modules=["layers.1.mlp.down_proj"]))
+    assert targets.linears == ["layers.0.attn.q_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj",
+                               "layers.2.attn.q_proj"]
+    assert targets.experts == []
+
+
+@pytest.mark.parametrize(
+    "lora,message",
+    [
+        (LoraConfig(target_modules=["q_prj"]), r"target_modules pattern 'q_prj' matches no linear layer \(linear "
+                                               r"layers: layers.0.attn.q_proj"),
+        (LoraConfig(target_modules=["eh_proj"]), "'eh_proj' matches no linear layer; it matches mtp.* layers: "
+                                                 "set include_mtp: true"),
+        (LoraConfig(target_modules=["experts"]), "stacked experts are adapted with target_experts: true"),
+        (LoraConfig(exclude_modules=["mlp.gate"]), "exclude_modules pattern 'mlp.gate' matches no linear layer"),
+        (LoraConfig(target_modules=["q_proj"], exclude_modules=["q_proj"]), "nothing would be trained"),
+    ],
+)
+def test_target_patterns_matching_nothing_are_named(lora, message):
+    with torch.device("meta"):
+        model = Decoder(moe_mtp_config())
+    with pytest.raises(ValueError, match=message):
+        apply_lora(model, lora)
+
+
+def test_bad_lora_settings_are_named():
+    with pytest.raises(ValueError, match="peft.r must be a positive integer"):
+        LoraConfig(r=0)
+    with pytest.raises(ValueError, match="peft.base_dtype 'bf16' is not a torch dtype"):
+        LoraConfig(base_dtype="bf16")
+    cfg = moe_mtp_config()
+    with torch.device("meta"):
+        dense = Decoder(ModelConfig(vocab_size=96, hidden_size=32, pattern="*-", attention=cfg.attention, mlp=cfg.mlp))
+    with pytest.raises(ValueError, match="target_experts is true but the model has no MoE experts"):
+        apply_lora(dense, LoraConfig(target_experts=True))
+    with torch.device("meta"):
+        loop = Decoder(moe_mtp_config(backend="loop"))
+    with pytest.raises(ValueError, match="expert adapters need backend 'grouped_mm'"):
+        apply_lora(loop, LoraConfig(target_experts=True))
