@@ -18,10 +18,37 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_moe.models.config import (
+    AttentionConfig,
+    MambaConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    RopeConfig,
+)
+from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
-from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.decoder import Decoder, LossOutput
+
+
+def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
+                  device: torch.device | str = "cpu") -> Decoder:
+    """Meta-device construction -> ``parallelize`` (sharding) -> materialize on ``device`` -> initialize with
+    ``seed`` -> copy the checkpoint's weights (each rank only its shards) when ``source`` is given."""
+    with torch.device("meta"):
+        model = Decoder(config)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights()
+    if source is not None:
+        from lightning_moe.checkpoint.load import copy_tensors_into
+
+        copy_tensors_into(model, source.iter_native())
+    return model
 
 
 class CausalLM(L.LightningModule):
@@ -79,22 +106,11 @@ class CausalLM(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        config = self.resolved_config()
-        with torch.device("meta"):
-            model = Decoder(config)
-        parallelize = getattr(self.trainer.strategy, "parallelize", None)
-        if parallelize is not None:
-            parallelize(model)
-        model.to_empty(device=self.trainer.strategy.root_device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model.init_weights()
-        source = self._checkpoint()
-        if source is not None:
-            from lightning_moe.checkpoint.load import copy_tensors_into
-
-            copy_tensors_into(model, source.iter_native())
-        self.model = model
+        strategy = self.trainer.strategy
+        self.model = build_decoder(
+            self.resolved_config(), seed=self.seed, source=self._checkpoint(),
+            parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
+        )
 
     # ------------------------------------------------------------------ distributed bookkeeping
     def _loss_group(self):
@@ -118,11 +134,13 @@ class CausalLM(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, position_ids)
 
-    def _loss_output(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+    def _loss_output(self, batch: dict[str, torch.Tensor]) -> tuple[LossOutput, int]:
+        """The loss sums of this rank's part of the batch, and how many tokens that part holds."""
         shard = getattr(self.trainer.strategy, "shard_batch", None)
         if shard is not None:
             batch = shard(batch)
-        return self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
+        out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
+        return out, batch["input_ids"].numel()
 
     def _mtp_scale(self) -> float:
         if self.mtp_loss_scale is not None:
@@ -136,11 +154,11 @@ class CausalLM(L.LightningModule):
         sums[name] = sums[name] + value if name in sums else value
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self._loss_output(batch)
+        out, tokens = self._loss_output(batch)
         sums = self._step_sums
         self._accumulate(sums, "loss_sum", out.loss_sum)
         self._accumulate(sums, "label_tokens", out.num_label_tokens)
-        self._accumulate(sums, "tokens", torch.tensor(batch["input_ids"].numel(), device=out.loss_sum.device))
+        self._accumulate(sums, "tokens", torch.tensor(tokens, device=out.loss_sum.device))
         objective = out.loss_sum
         if out.aux_loss is not None:
             # a mean-type loss: weight it by this micro-batch's share of label tokens
@@ -202,7 +220,7 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
-        out = self._loss_output(batch)
+        out, _ = self._loss_output(batch)
         self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
         self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)
 
@@ -237,9 +255,11 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # plain tensors and tuples only, so checkpoints load with torch.load(weights_only=True)
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
         checkpoint["rng_states"] = {
             "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -249,7 +269,15 @@ class CausalLM(L.LightningModule):
         if not states:
             return
         torch.set_rng_state(states["torch"])
-        np.random.set_state(states["numpy"])
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         random.setstate(states["python"])
         if states.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# hyperparameters hold these dataclasses: let weights-only checkpoint loading rebuild them
+torch.serialization.add_safe_globals(
+    [ModelConfig, AttentionConfig, RopeConfig, MLPConfig, MoEConfig, MambaConfig, MTPConfig,
+     OptimizerConfig, SchedulerConfig]
+)

@@ -1,0 +1,33 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make quickstart   train the tiny MoE of configs/quickstart.yaml on CPU and print its run card
+#   make test         run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+# the CPU build of torch; set TORCH_SPEC to another requirement for GPU machines
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install quickstart test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+quickstart: $(STAMP)
+	$(VENV)/bin/lightning-moe fit --config configs/quickstart.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_moe tests benchmarks
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache
