@@ -29,33 +29,33 @@ class _CausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, same):
-        kernel = weight.shape[-1]
-        taps = weight[:, 0]
+        ctx.save_for_backward(x, weight)
+        ctx.same, ctx.has_bias = same, bias is not None
+        # accumulate in fp32, as the CUDA causal-conv1d kernel does
+        dtype, x, taps = x.dtype, x.float(), weight[:, 0].float()
         out = x * taps[:, -1]
-        for j in range(1, min(kernel, x.shape[1])):
+        for j in range(1, min(taps.shape[-1], x.shape[1])):
             back = x[:, :-j] if same is None else x[:, :-j] * same[j - 1]
             out[:, j:].addcmul_(back, taps[:, -1 - j])
         if bias is not None:
-            out += bias
-        ctx.save_for_backward(x, weight)
-        ctx.same, ctx.has_bias = same, bias is not None
-        return out
+            out += bias.float()
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         same, kernel = ctx.same, weight.shape[-1]
-        taps = weight[:, 0]
+        grad, xf, taps = grad.float(), x.float(), weight[:, 0].float()
         grad_x = grad * taps[:, -1]
-        grad_taps = [(grad * x).sum((0, 1))]
+        grad_taps = [(grad * xf).sum((0, 1))]
         for j in range(1, min(kernel, x.shape[1])):
             ahead = grad[:, j:] if same is None else grad[:, j:] * same[j - 1]
             grad_x[:, :-j].addcmul_(ahead, taps[:, -1 - j])
-            grad_taps.append((ahead * x[:, :-j]).sum((0, 1)))
+            grad_taps.append((ahead * xf[:, :-j]).sum((0, 1)))
         grad_taps += [torch.zeros_like(grad_taps[0])] * (kernel - len(grad_taps))
         grad_weight = torch.stack(grad_taps[::-1], dim=-1).unsqueeze(1).to(weight.dtype)
-        grad_bias = grad.sum((0, 1)) if ctx.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        grad_bias = grad.sum((0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return grad_x.to(x.dtype), grad_weight, grad_bias, None
 
 
 class CausalConv1d(nn.Module):
