@@ -177,6 +177,25 @@ def test_transformers_checkpoint_imports_without_mtp(tmp_path, dtype):
     assert report.ok, report.summary()
 
 
+def test_tied_native_model_exports_what_transformers_loads(tmp_path):
+    """transformers' NemotronH never ties lm_head to the embedding, so a tied native model writes both."""
+    import transformers
+
+    from lightning_moe.checkpoint.convert import export_model
+    from lightning_moe.models.decoder import Decoder
+
+    cfg = family_by_name("nemotron_h").from_hf_config(hf_config(num_nextn_predict_layers=0).to_dict())
+    cfg.tie_embeddings = True
+    torch.manual_seed(0)
+    model = Decoder(cfg).eval()
+    model.init_weights()
+    export_model(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= TOL
+
+
 # ---------------------------------------------------------------------------------- logits
 @pytest.mark.parametrize("latent", [24, None], ids=["latent_moe", "moe"])
 def test_logits_equal_transformers(tmp_path, latent):

@@ -149,7 +149,8 @@ class NemotronH(Family):
             mamba=mamba_from_hf(hf) if "M" in used else None,
             mtp=mtp,
             norm_eps=float(setting(hf, "layer_norm_epsilon")),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # transformers' NemotronH never ties: the hub always holds lm_head.weight
+            tie_embeddings=False,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             init_std=hf.get("initializer_range", 0.02),
         )
@@ -175,7 +176,7 @@ class NemotronH(Family):
             "head_dim": att.head_dim,
             "attention_bias": False,
             "layer_norm_epsilon": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings,
+            "tie_word_embeddings": False,
             "max_position_embeddings": cfg.max_position_embeddings,
             "initializer_range": cfg.init_std,
             "mlp_hidden_act": "relu2",
@@ -199,12 +200,14 @@ class NemotronH(Family):
         return hf
 
     def weight_map(self, cfg: ModelConfig) -> list[TensorMap]:
-        maps = [
-            TensorMap.rename("embed.weight", "backbone.embeddings.weight"),
-            TensorMap.rename("norm.weight", "backbone.norm_f.weight"),
-        ]
-        if not cfg.tie_embeddings:
-            maps.append(TensorMap.rename("lm_head.weight", "lm_head.weight"))
+        maps = [TensorMap.rename("norm.weight", "backbone.norm_f.weight")]
+        if cfg.tie_embeddings:
+            # a tied native model exports the embedding twice, since transformers' NemotronH never ties
+            maps.append(TensorMap("embed.weight", ("backbone.embeddings.weight", "lm_head.weight"),
+                                  to_hf=lambda tensor: [tensor, tensor.clone()]))
+        else:
+            maps += [TensorMap.rename("embed.weight", "backbone.embeddings.weight"),
+                     TensorMap.rename("lm_head.weight", "lm_head.weight")]
         for i, symbol in enumerate(cfg.pattern):
             maps += layer_maps(cfg, symbol, f"layers.{i}", f"backbone.layers.{i}")
         return maps + mtp_maps(cfg)
