@@ -87,8 +87,27 @@ def gqa_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -
     return ForwardFlops(weights=projections, activations=scores)
 
 
+def mla_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
+    """Latent attention: queries (through their LoRA bottleneck if any), the shared latent + rotary key, its
+    expansion into per-head keys and values, the output projection; scores over nope + rope query/key channels
+    and values of ``v_head_dim``."""
+    att, hidden = cfg.attention, cfg.hidden_size
+    heads, qk_dim = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
+    if att.q_lora_rank:
+        queries = hidden * att.q_lora_rank + att.q_lora_rank * heads * qk_dim
+    else:
+        queries = hidden * heads * qk_dim
+    latent = hidden * (att.kv_lora_rank + att.qk_rope_head_dim)
+    expand = att.kv_lora_rank * heads * (att.qk_nope_head_dim + att.v_head_dim)
+    output = heads * att.v_head_dim * hidden
+    projections = 2 * seqs.tokens * (queries + latent + expand + output)
+    scores = 2 * heads * (qk_dim + att.v_head_dim) * seqs.causal_pairs(window)
+    return ForwardFlops(weights=projections, activations=scores)
+
+
 ATTENTION_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int | None], ForwardFlops]] = {
     "gqa": gqa_attention_flops,
+    "mla": mla_attention_flops,
 }
 
 

@@ -7,7 +7,16 @@ import math
 
 import pytest
 import torch
-from tiny_moe_hf import TOL, add_mtp_layer, build_tiny, max_logit_diff, max_packed_diff, round_trip, save_tiny
+from tiny_moe_hf import (
+    TOL,
+    add_mtp_layer,
+    build_tiny,
+    max_logit_diff,
+    max_packed_diff,
+    round_trip,
+    save_tiny,
+    tiny_config,
+)
 
 from lightning_moe.checkpoint.convert import import_hf_checkpoint
 from lightning_moe.checkpoint.load import load_pretrained
@@ -219,3 +228,38 @@ def test_export_config_loads_in_transformers(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     ids = torch.randint(0, 96, (1, 20))
     assert max_logit_diff(reloaded, native, ids) <= TOL
+
+
+def test_flops_match_flop_counter():
+    """The MLA term of ``models.flops`` on a tiny DeepSeek-V3 (MTP included), against FlopCounterMode on a
+    packed training step. sdpa's math path (what the counter sees) scores the full S x S square of each row:
+    that term is swapped for torch's own formula, the rest must agree."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.models.flops import Sequences, forward_flops, output_token_counts
+
+    hf = tiny_config("deepseek_v3").to_dict()
+    hf["architectures"] = ["DeepseekV3ForCausalLM"]
+    cfg = family_by_name("deepseek_v3").from_hf_config(hf)
+    cfg.moe.backend = "loop"  # plain matmuls the counter sees
+    assert cfg.mtp is not None and cfg.attention.q_lora_rank
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    model.init_weights()
+    seq = 40
+    positions = torch.cat([torch.cat([torch.arange(15), torch.arange(25)])[None], torch.arange(seq)[None]])
+    ids = torch.randint(0, cfg.vocab_size, (2, seq))
+    labels = torch.randint(0, cfg.vocab_size, (2, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = model(ids, positions, labels=labels)
+        (out.loss_sum + sum(out.mtp_loss_sums)).backward()
+
+    att = cfg.attention
+    qk = (2, att.num_heads, seq, att.qk_nope_head_dim + att.qk_rope_head_dim)
+    v = (2, att.num_heads, seq, att.v_head_dim)
+    blocks = cfg.pattern.count("*") + cfg.mtp.num_layers * cfg.mtp.pattern.count("*")
+    full_square = 3 * blocks * sdpa_flop_count(qk, qk, v)
+    forward = forward_flops(cfg, Sequences.from_position_ids(positions), output_token_counts(cfg, positions, labels))
+    assert counter.get_total_flops() == pytest.approx(3 * forward.weights + full_square, rel=1e-6)
