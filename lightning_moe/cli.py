@@ -23,14 +23,33 @@ TOOLS = {
 }
 
 
+def default_callbacks() -> list:
+    """Throughput, peak memory, NaN/inf health and the run card: every training run gets them."""
+    from lightning_moe.callbacks import HealthCheck, PeakMemory, RunCard, Throughput
+
+    return [Throughput(), PeakMemory(), HealthCheck(), RunCard()]
+
+
+def add_missing_callbacks(callbacks: list) -> list:
+    """The default callbacks whose type the configuration did not already list (a recipe's own settings win)."""
+    present = {type(c) for c in callbacks}
+    return callbacks + [c for c in default_callbacks() if type(c) not in present]
+
+
 def run_training_cli(argv: list[str]) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    class CLI(LightningCLI):
+        def instantiate_trainer(self, **kwargs):
+            trainer = super().instantiate_trainer(**kwargs)
+            trainer.callbacks[:] = add_missing_callbacks(list(trainer.callbacks))
+            return trainer
+
     # make the package's modules and data modules known to jsonargparse by their short names
     importlib.import_module("lightning_moe.modules")
     importlib.import_module("lightning_moe.data")
-    LightningCLI(
+    CLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
