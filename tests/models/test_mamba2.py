@@ -3,17 +3,13 @@ mixer (forward and gradients, plain and packed rows), and Mamba's initialization
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from lightning_moe.models.config import MambaConfig  # noqa: E402
-from lightning_moe.models.layers.mamba2 import Mamba2Mixer  # noqa: E402
-from lightning_moe.models.layers.sequence import SequenceLayout  # noqa: E402
-from lightning_moe.models.layers.ssd import ssd_chunk_scan  # noqa: E402
+from lightning_moe.models.config import MambaConfig
+from lightning_moe.models.layers.mamba2 import Mamba2Mixer
+from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.ssd import ssd_chunk_scan
 
 
 def sequential_scan(x, dt, A, B, C, D, seq_idx=None):

@@ -1,25 +1,23 @@
 """Nemotron-H: config translation, hub-layout round trip with MTP tensors, logits against transformers (plain and
-packed rows), the MTP forward against its hub definition, and an MTP training step."""
+packed rows), the MTP forward against its hub definition and an MTP training step, training FLOPs against
+FlopCounterMode, and LoRA on Mamba, expert and MTP layers."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from lightning_moe.checkpoint.convert import (  # noqa: E402
+from lightning_moe.checkpoint.convert import (
     export_hf_checkpoint,
     import_hf_checkpoint,
     verify_hf_checkpoints,
 )
-from lightning_moe.checkpoint.load import load_pretrained  # noqa: E402
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
-from lightning_moe.models.families import family_by_name, family_for_hf_config  # noqa: E402
+from lightning_moe.checkpoint.load import load_pretrained
+from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.models.families import family_by_name, family_for_hf_config
 
 LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]
 MTP_LAYERS = ["full_attention", "moe"]
