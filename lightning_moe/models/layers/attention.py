@@ -43,6 +43,9 @@ def attend(
 
     ``sinks`` [heads] are extra logits that join every row's softmax without a value (GPT-OSS).
     """
+    if layout.context_parallel is not None:
+        # the row is split over context-parallel ranks: attend over all of its keys, masked by global position
+        k, v, layout = layout.context_parallel.gather(k, v)
     if backend == "flex":
         from torch.nn.attention.flex_attention import AuxRequest
 

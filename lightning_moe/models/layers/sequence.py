@@ -13,6 +13,10 @@ import torch
 
 
 class SequenceLayout:
+    # under context parallelism, set per forward to the object that gathers the row's keys/values from the
+    # other ranks and masks them by global position (``lightning_moe/parallel/context.py``)
+    context_parallel = None
+
     def __init__(self, position_ids: torch.Tensor, packed: bool | None = None) -> None:
         self.position_ids = position_ids
         self.batch, self.seq_len = position_ids.shape

@@ -1,0 +1,15 @@
+"""Autograd-aware collectives shared by the parallelisms, in one place because torch renames them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank of ``group`` along ``dim``; the backward sums the gradients
+    over the group and keeps this rank's slice (a reduce-scatter)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    # torch >= 2.10 name; older versions only have the *_tensor_autograd spelling
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor.contiguous(), dim, group)

@@ -1,0 +1,216 @@
+"""Parallel sizes, their validation, and the device meshes built from them.
+
+Dense parameters live on the world mesh ``(dp_replicate, dp_shard, cp, tp)`` (row-major over ranks, so
+tensor-parallel peers are neighbours). Experts live on a second mesh over the same ranks,
+``(dp_replicate, ep_shard, ep)``: expert parallelism is carved out of the ``dp_shard * cp`` ranks, as in
+torchtitan and Megatron, and the remaining ``ep_shard = dp_shard * cp / ep`` ranks shard the experts with
+FSDP. Both layouts enumerate ranks the same way, so the ``ep`` peers of a rank are ranks that hold
+different data (different data-parallel or context-parallel indices).
+
+Named sub-meshes (``dims.mesh(name)``):
+    ``dp``            dp_replicate x dp_shard: ranks that see different batches (the sampler's rank)
+    ``dp_shard_cp``   dp_shard x cp: what FSDP shards dense parameters over
+    ``dp_cp``         dp_replicate x dp_shard x cp: the loss is normalized over these ranks
+    ``fsdp``          the dense FSDP mesh: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)`` for HSDP
+    ``cp``, ``tp``, ``dp_replicate``, ``dp_shard``
+    ``ep``            ranks that exchange tokens for their experts
+    ``expert_fsdp``   what FSDP shards experts over: ``ep_shard``, or ``(dp_replicate, ep_shard)``
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+SIZE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of each parallel dimension for ``world_size`` ranks; ``dp_shard=-1`` takes what is left."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    world_size: int = 1
+    _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_sizes(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
+        others = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(
+                    f"dp_replicate*cp*tp = {self.dp_replicate}*{self.cp}*{self.tp} = {others} does not divide the "
+                    f"world size {self.world_size}; use sizes whose product divides {self.world_size}"
+                )
+            self.dp_shard = self.world_size // others
+        total = others * self.dp_shard
+        if total != self.world_size:
+            raise ValueError(
+                f"dp_replicate*dp_shard*cp*tp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = {total} "
+                f"!= world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the rest, or sizes "
+                f"that multiply to {self.world_size}"
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp_shard*cp = {self.dp_shard * self.cp} (experts are spread over the "
+                f"data-parallel shard and context-parallel ranks); use ep in {divisors(self.dp_shard * self.cp)}"
+            )
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(
+                f"ep={self.ep} together with tp={self.tp} is not supported; use tp=1 with expert parallelism, "
+                f"or ep=1 with tensor parallelism (MoE layers then run each rank's sequence shard)"
+            )
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks that hold different tokens of the global batch: the loss-normalization group."""
+        return self.dp_size * self.cp
+
+    @property
+    def ep_shard(self) -> int:
+        return self.dp_shard * self.cp // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_cp_size > 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in SIZE_NAMES}
+
+    def sequence_multiple(self) -> int:
+        """Row lengths must be a multiple of this: 2*cp load-balanced chunks, each rank's cp share split over tp."""
+        return math.lcm(2 * self.cp if self.cp > 1 else 1, self.cp * self.tp)
+
+    # ------------------------------------------------------------------ checks against a model and data
+    def check_model(self, config) -> None:
+        """Raise a one-line message when the model cannot be split with these sizes."""
+        att = config.attention
+        pattern = config.pattern + (config.mtp.pattern if config.mtp is not None and config.mtp.num_layers else "")
+        has_attention = "*" in pattern
+        if self.tp > 1:
+            if "M" in pattern:
+                raise ValueError(f"tp={self.tp}: tensor parallelism of Mamba-2 blocks is not supported; use tp=1")
+            if has_attention and att.type == "mla":
+                raise ValueError(f"tp={self.tp}: tensor parallelism of MLA attention is not supported; use tp=1")
+            if config.mtp is not None and config.mtp.num_layers:
+                raise ValueError(f"tp={self.tp}: tensor parallelism with MTP heads is not supported; use tp=1")
+            if has_attention:
+                heads = math.gcd(att.num_heads, att.num_kv_heads)
+                for key, value in (("num_heads", att.num_heads), ("num_kv_heads", att.num_kv_heads)):
+                    if value % self.tp:
+                        raise ValueError(
+                            f"tp={self.tp} does not divide {key}={value}; use tp in {divisors(heads)}"
+                        )
+            if "-" in pattern and config.mlp.intermediate_size % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide mlp.intermediate_size={config.mlp.intermediate_size}; "
+                    f"use tp in {divisors(config.mlp.intermediate_size)}"
+                )
+            if config.vocab_size % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide vocab_size={config.vocab_size}; pad the vocabulary or use tp in "
+                    f"{divisors(config.vocab_size)}"
+                )
+        if self.cp > 1:
+            if "M" in pattern:
+                raise ValueError(f"cp={self.cp}: context parallelism of Mamba-2 blocks is not supported; use cp=1")
+            if config.mtp is not None and config.mtp.num_layers:
+                raise ValueError(f"cp={self.cp}: context parallelism with MTP heads is not supported; use cp=1")
+            if has_attention and att.backend not in ("sdpa", "flex"):
+                raise ValueError(
+                    f"cp={self.cp}: attention backend {att.backend!r} is not supported with context parallelism; "
+                    f"use backend sdpa or flex"
+                )
+        if self.ep > 1:
+            if config.moe is None or "E" not in pattern:
+                raise ValueError(f"ep={self.ep} but the model has no MoE layers; use ep=1")
+            experts = config.moe.num_experts
+            if experts % self.ep:
+                usable = [d for d in divisors(experts) if (self.dp_shard * self.cp) % d == 0]
+                raise ValueError(f"ep={self.ep} does not divide moe.num_experts={experts}; use ep in {usable}")
+
+    def check_seq_length(self, seq_length: int, where: str = "sequence length") -> None:
+        multiple = self.sequence_multiple()
+        if seq_length % multiple:
+            reasons = []
+            if self.cp > 1:
+                reasons.append(f"2*cp={2 * self.cp} load-balanced chunks")
+            if self.tp > 1:
+                reasons.append(f"cp*tp={self.cp * self.tp} sequence-parallel shards")
+            raise ValueError(
+                f"{where} {seq_length} is not a multiple of {multiple} ({', '.join(reasons)}); pad rows to a "
+                f"multiple of {multiple}, e.g. {seq_length + multiple - seq_length % multiple}"
+            )
+
+    # ------------------------------------------------------------------ meshes
+    def build_meshes(self, device_type: str) -> None:
+        """Create the process groups (collective over all ranks; call once, on every rank)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        )
+        meshes = {name: world[name] for name in ("dp_replicate", "dp_shard", "cp", "tp")}
+        meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
+        meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        meshes["fsdp"] = meshes["dp_shard_cp"]
+        if self.dp_replicate > 1:
+            with warnings.catch_warnings():
+                # newer torch prefers unflattened views (torch >= 2.9 only); this slice works on every version
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+                meshes["fsdp"] = world["dp_replicate", "dp_shard_cp"]
+        meshes["world"] = world
+        if self.ep > 1:
+            experts = init_device_mesh(
+                device_type,
+                (self.dp_replicate, self.ep_shard, self.ep),
+                mesh_dim_names=("dp_replicate", "ep_shard", "ep"),
+            )
+            meshes["ep"] = experts["ep"]
+            meshes["expert_fsdp"] = experts["dp_replicate", "ep_shard"] if self.dp_replicate > 1 else experts["ep_shard"]
+        self._meshes = meshes
+
+    def mesh(self, name: str):
+        if not self._meshes:
+            raise RuntimeError("ParallelDims.build_meshes() has not been called (it needs torch.distributed)")
+        if name not in self._meshes:
+            raise KeyError(f"no mesh named {name!r}; available: {sorted(self._meshes)}")
+        return self._meshes[name]
+
+    @property
+    def world_mesh(self):
+        return self.mesh("world")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh("dp").get_local_rank() if self._meshes else 0
+
+
+def check_sizes(dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int) -> None:
+    """Sizes that are wrong whatever the world size."""
+    for name, value in zip(SIZE_NAMES, (dp_replicate, dp_shard, cp, tp, ep)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be an integer")
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            allowed = "a positive integer, or -1 for the remaining ranks" if name == "dp_shard" else "a positive integer"
+            raise ValueError(f"{name}={value} must be {allowed}")

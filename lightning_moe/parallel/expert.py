@@ -1,0 +1,94 @@
+"""Expert parallelism: each rank of the ``ep`` mesh holds ``num_experts / ep`` experts; tokens travel to them.
+
+The MoE module keeps its interface; only two things change:
+
+* the stacked expert weights become DTensors ``Shard(0)`` over ``ep`` (checkpoints and FSDP still see the
+  global ``[E, out, in]`` tensors) and the grouped GEMM runs on the local experts;
+* ``MoE.dispatcher`` becomes an :class:`AllToAllDispatcher`: token copies sorted by expert are exchanged
+  with an all-to-all of variable sizes (the counts go first), run through the local experts grouped by
+  expert, and sent back by the reverse all-to-all before the usual weighted combine.
+
+Every rank takes part in both all-to-alls, forward and backward, even when it sends or receives no token,
+so skewed routing cannot hang a step. Other dispatchers (DeepEP on GPUs) plug in through
+``apply_expert_parallel(..., dispatcher=...)``: any object with the ``TokenDispatcher`` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_moe.models.layers.moe import MoE, Routing, TokenDispatcher
+from lightning_moe.parallel.local_params import use_local_parameters
+
+
+class AllToAllDispatcher(TokenDispatcher):
+    """Sends each token copy to the rank that owns its expert (experts ``[r * local, (r + 1) * local)`` on
+    rank ``r`` of ``group``) and brings the expert outputs back."""
+
+    def __init__(self, group, num_local_experts: int) -> None:
+        self.group = group
+        self.ranks = dist.get_world_size(group)
+        self.num_local_experts = num_local_experts
+
+    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        sorted_x, counts, local_state = super().dispatch(x, routing, num_experts)
+        # received[r, e]: rows that rank r sends to local expert e of this rank
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        received = received.view(self.ranks, self.num_local_experts)
+        send_splits = counts.view(self.ranks, self.num_local_experts).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        arrived = all_to_all_single_autograd(sorted_x, recv_splits, send_splits, self.group)
+        # rows arrive grouped by source rank, then expert: regroup them by expert for the grouped GEMM
+        expert_of_row = torch.arange(self.num_local_experts, device=x.device).repeat(self.ranks)
+        expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten())
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        state = (local_state, by_expert, send_splits, recv_splits)
+        return arrived[by_expert], received.sum(dim=0), state
+
+    def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        local_state, by_expert, send_splits, recv_splits = state
+        by_source = torch.empty_like(by_expert)
+        by_source[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        returned = all_to_all_single_autograd(out[by_source], send_splits, recv_splits, self.group)
+        return super().combine(returned, routing, local_state, num_tokens)
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    ep_mesh,
+    dispatcher: Callable[[object, int], TokenDispatcher] = AllToAllDispatcher,
+) -> None:
+    """Shard the experts of every MoE layer of ``model`` (meta device) over ``ep_mesh`` and swap in
+    ``dispatcher(process_group, num_local_experts)``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ranks = ep_mesh.size()
+    for moe in model.modules():
+        if not isinstance(moe, MoE):
+            continue
+        experts = moe.experts
+        total = experts.num_experts
+        for owner in list(experts.modules()):
+            for leaf, param in list(owner._parameters.items()):
+                if param is None:
+                    continue
+                if param.shape[0] != total:
+                    raise ValueError(
+                        f"expert parallelism: parameter {leaf!r} of the experts has leading size {param.shape[0]}, "
+                        f"not num_experts={total}; only per-expert stacked tensors can be split over ep"
+                    )
+                local = param.detach().chunk(ranks)[ep_mesh.get_local_rank()]
+                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                             stride=param.stride())
+                owner._parameters[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        use_local_parameters(experts)
+        moe.dispatcher = dispatcher(ep_mesh.get_group(), total // ranks)

@@ -1,0 +1,66 @@
+"""FSDP2 / HSDP: ``fully_shard`` per block, per MTP depth and on the root, with experts on their own mesh.
+
+Dense parameters are sharded over ``dp_shard x cp`` (context-parallel ranks hold different tokens, so they
+are data parallel for the weights), replicated over ``dp_replicate`` for HSDP. Gradients come out as the
+mean over those ranks of each rank's gradient of its local loss, which is what the training module expects.
+
+Under expert parallelism the experts are sharded by FSDP only over ``ep_shard`` (the ``ep`` ranks already
+hold different experts), but the gradient each rank computes for its experts sums the contributions of
+tokens from all ``ep`` ranks. Dividing by the whole ``dp x cp`` size (instead of FSDP's default, the
+expert mesh size) keeps the same mean convention as the dense parameters, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_moe.models.layers.moe import MoE
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    expert_mesh=None,
+    *,
+    gradient_divide_factor: int = 1,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard ``model`` (a Decoder) over ``mesh`` (1-D FSDP or 2-D ``(replicate, shard)`` HSDP).
+
+    ``expert_mesh``: where the experts of MoE layers are sharded when expert parallelism split them;
+    ``gradient_divide_factor``: the ``dp x cp`` size their gradient sums are divided by.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    units = list(model.layers.values())
+    if getattr(model, "mtp", None) is not None:
+        units += list(model.mtp.depths)
+    for unit in units:
+        if expert_mesh is not None:
+            for moe in unit.modules():
+                if isinstance(moe, MoE):
+                    fully_shard(moe.experts, mesh=expert_mesh, **options)
+                    _divide_gradients_by(moe.experts, gradient_divide_factor, expert_mesh)
+        fully_shard(unit, mesh=mesh, **options)
+    # the root group holds the embedding, the final norm and the output weight, which the decoder reads
+    # directly (not through a submodule call); it stays unsharded from forward to backward
+    fully_shard(model, mesh=mesh, **{**options, "reshard_after_forward": False})
+
+
+def _divide_gradients_by(module, factor: int, mesh) -> None:
+    import torch.distributed as dist
+
+    module.set_gradient_divide_factor(float(factor))
+    shard_group = mesh.get_group(mesh.ndim - 1)
+    if dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1:
+        # gloo has no pre-multiplied sum: reduce with a plain sum, then divide
+        module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,39 @@
+"""Gradient norm and clipping over parameters that live on different device meshes.
+
+Dense parameters are DTensors on the data/tensor-parallel meshes, experts on the expert mesh; one
+``torch.nn.utils.clip_grad_norm_`` call cannot mix them. The norm is computed per (mesh, placements) group,
+where DTensor reduces each group's shards correctly (summing over sharded dimensions, not over replicated
+ones), and the group norms are combined on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so that their total ``norm_type`` norm is at most ``max_norm``; returns the norm
+    before clipping (a plain tensor, equal on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, grad.device)
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = grads[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    if coefficient < 1.0:
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient)
+    return total

@@ -1,0 +1,61 @@
+"""``parallelize``: every parallelism applied to a meta-device decoder, in DESIGN order.
+
+tensor (+sequence) parallel -> expert parallel -> context parallel -> activation checkpointing -> FSDP2/HSDP.
+Each step lives in its own file of this package; this one only decides which apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_moe.parallel.dims import ParallelDims
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    activation_checkpointing: str = "none",
+    activation_checkpointing_every: int = 1,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    expert_dispatcher=None,
+) -> nn.Module:
+    """Split ``model`` (a Decoder built on the meta device, after converters) over the meshes of ``dims``.
+
+    Materialize it afterwards (``to_empty`` + ``init_weights`` or ``copy_tensors_into``). ``param_dtype`` /
+    ``reduce_dtype`` / ``cpu_offload`` are FSDP's mixed-precision and offload policies (used when there is
+    more than one data- or context-parallel rank). ``expert_dispatcher(group, num_local_experts)`` builds the
+    token dispatcher of expert parallelism (default: all-to-all).
+    """
+    dims.check_model(model.config)
+    if dims.tp > 1:
+        from lightning_moe.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, dims.mesh("tp"))
+    if dims.ep > 1:
+        from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
+
+        apply_expert_parallel(model, dims.mesh("ep"), expert_dispatcher or AllToAllDispatcher)
+    if dims.cp > 1:
+        from lightning_moe.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, dims.mesh("cp"))
+    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
+    if dims.fsdp_enabled:
+        from lightning_moe.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(
+            model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
+            gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+        )
+    elif dims.tp > 1:
+        from lightning_moe.parallel.tensor import sum_partial_gradients
+
+        sum_partial_gradients(model)
+    return model

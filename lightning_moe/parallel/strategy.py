@@ -1,0 +1,177 @@
+"""``ParallelStrategy``: Lightning's ``ModelParallelStrategy`` with the package's named meshes and parallelisms.
+
+Lightning's strategy builds a fixed 2-D ``(data_parallel, tensor_parallel)`` mesh and leaves parallelization
+to the module. This one takes the sizes of every dimension, validates them against the world size (in
+``setup_environment``), the model (in ``parallelize``, called by the module's ``configure_model``) and the
+data module's row length (in ``setup``), all before the first step, and provides what the training module
+and data modules ask of a strategy: ``parallelize``, ``shard_batch``, ``loss_reduction_group``,
+``clip_grad_norm``, ``data_parallel_rank`` / ``data_parallel_size`` and ``parallel_sizes``.
+
+Distributed checkpoints are Lightning's (DCP directories); parameters and optimizer states are DTensors
+with global shapes, so a checkpoint saved on one mesh resumes on another.
+
+YAML::
+
+    trainer:
+      strategy:
+        class_path: lightning_moe.ParallelStrategy
+        init_args: {dp_shard: -1, tp: 2, cp: 1, ep: 1, activation_checkpointing: selective,
+                    activation_checkpointing_every: 2, param_dtype: bfloat16}
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_moe.parallel.activation_checkpoint import check_mode
+from lightning_moe.parallel.dims import ParallelDims, check_sizes
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def _dtype(name: str | None, key: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name!r} is not one of {sorted(DTYPES)} (or null)")
+    return DTYPES[name]
+
+
+class ParallelStrategy(ModelParallelStrategy):
+    """FSDP2/HSDP, tensor + sequence, expert and context parallelism on one set of named meshes.
+
+    Args:
+        dp_replicate: HSDP replicas (each holds a full FSDP-sharded copy of the model).
+        dp_shard: ranks that shard the model with FSDP inside a replica; -1 = what the other sizes leave.
+        cp: context-parallel ranks (each row's sequence split over them).
+        tp: tensor-parallel ranks (heads, MLP channels and vocabulary split; sequence parallel in between).
+        ep: expert-parallel ranks, carved out of ``dp_shard * cp`` (experts split over them).
+        activation_checkpointing: ``none`` | ``full`` | ``selective`` (every ``activation_checkpointing_every``-th block).
+        param_dtype: FSDP mixed precision: dtype of the unsharded parameters in forward/backward
+            (``bfloat16``); null keeps the stored dtype.
+        reduce_dtype: dtype of gradient reduction (``float32``).
+        cpu_offload: keep sharded parameters, gradients and optimizer states in CPU memory.
+        reshard_after_forward: free unsharded block parameters after forward (re-gather in backward).
+        save_distributed_checkpoint: DCP directories (True) or one consolidated file (False).
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 1,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = "float32",
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        check_sizes(dp_replicate, dp_shard, cp, tp, ep)
+        check_mode(activation_checkpointing, activation_checkpointing_every)
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
+        self._parallelize_options = {
+            "activation_checkpointing": activation_checkpointing,
+            "activation_checkpointing_every": activation_checkpointing_every,
+            "param_dtype": _dtype(param_dtype, "param_dtype"),
+            "reduce_dtype": _dtype(reduce_dtype, "reduce_dtype"),
+            "cpu_offload": cpu_offload,
+            "reshard_after_forward": reshard_after_forward,
+        }
+        self._parallel_dims: ParallelDims | None = None
+
+    # ------------------------------------------------------------------ meshes
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._parallel_dims = ParallelDims(**self._sizes, world_size=self.world_size)
+        self._parallel_dims.build_meshes(self.root_device.type)
+        self._device_mesh = self._parallel_dims.world_mesh
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            raise RuntimeError("ParallelStrategy: the meshes exist once the Trainer has set up the processes")
+        return self._parallel_dims
+
+    @property
+    def parallel_sizes(self) -> dict[str, int]:
+        """Resolved sizes (``dp_shard=-1`` filled in once the world size is known), for the run card."""
+        return self.parallel_dims.sizes if self._parallel_dims is not None else dict(self._sizes)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel_dims.dp_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel_dims.dp_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # tensor-, context- and expert-parallel peers read the same samples
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def loss_reduction_group(self):
+        """Ranks whose tokens form one global batch: data-parallel x context-parallel (None on one process)."""
+        if self.world_size == 1:
+            return None
+        return self.parallel_dims.mesh("dp_cp").get_group()
+
+    # ------------------------------------------------------------------ model and batches
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        from lightning_moe.parallel.parallelize import parallelize
+
+        return parallelize(model, self.parallel_dims, **self._parallelize_options)
+
+    def shard_batch(self, batch: dict) -> dict:
+        """This rank's share of a batch: the context-parallel sequence split (identity when ``cp == 1``)."""
+        dims = self.parallel_dims
+        dims.check_seq_length(batch["input_ids"].shape[1], "batch sequence length")
+        if dims.cp == 1:
+            return batch
+        from lightning_moe.parallel.context import shard_batch
+
+        return shard_batch(batch, dims.mesh("cp"))
+
+    def clip_grad_norm(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
+        from lightning_moe.parallel.grad_norm import clip_grad_norm_
+
+        return clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def setup(self, trainer) -> None:
+        self._check_data_seq_length(trainer)
+        super().setup(trainer)
+
+    def _check_data_seq_length(self, trainer) -> None:
+        data = getattr(trainer, "datamodule", None)
+        if data is None:
+            return
+        dims = self.parallel_dims
+        if getattr(data, "packing", None) == "none" and getattr(data, "pad_seq_to_mult", None) is not None:
+            if data.pad_seq_to_mult % dims.sequence_multiple():
+                raise ValueError(
+                    f"pad_seq_to_mult={data.pad_seq_to_mult}: unpacked rows must be padded to a multiple of "
+                    f"{dims.sequence_multiple()} with cp={dims.cp}, tp={dims.tp}; set pad_seq_to_mult to a multiple of it"
+                )
+            return
+        for key in ("seq_length", "packed_sequence_size"):
+            value = getattr(data, key, None)
+            if isinstance(value, int):
+                dims.check_seq_length(value, f"{type(data).__name__}.{key}")

@@ -1,0 +1,82 @@
+"""Run a function on several CPU processes joined by gloo, the way the distributed tests need it.
+
+``run_distributed_test(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters (spawn, not fork:
+forked children inherit the parent's torch threads and locks), initializes a gloo process group in each,
+calls ``fn(*args)`` and re-raises the first failure in the caller with the rank and traceback. ``fn`` must
+be importable by the children, i.e. a module-level function. Each launch costs seconds of imports, so one
+launch should check several things.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, errors, fn, args, env: dict[str, str],
+            init_process_group: bool) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if init_process_group:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(*args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 300,
+                         init_process_group: bool = True) -> None:
+    """Call ``fn(*args)`` on ``world_size`` gloo ranks; raise the first rank's error here.
+
+    The ranks see the usual launcher variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``), so a Lightning ``Trainer(devices=world_size)`` inside ``fn`` joins them as externally
+    launched processes; pass ``init_process_group=False`` to let it create the process group itself.
+    """
+    context = mp.get_context("spawn")
+    errors = context.SimpleQueue()
+    port = _free_port()
+    base_env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        context.Process(target=_worker, args=(rank, world_size, port, errors, fn, args, base_env, init_process_group), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, trace = min(failures)
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{trace}")
+    if hung:
+        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout} s (a hang?)")
+    bad = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited abnormally (rank, exit code): {bad}")

@@ -1,0 +1,256 @@
+"""Worker side of the distributed tests: tiny models trained under a parallel layout and, in the same
+process, on one rank with the whole global batch (the reference). Losses, gradient norms and the gradients
+of the first step must match; each rank checks its own view.
+
+The training loop follows the training module's contract: each rank backpropagates its local loss *sum*,
+the label count is all-reduced over data-parallel x context-parallel ranks, and gradients are multiplied by
+``dp_cp_size / global_label_tokens`` before clipping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.checkpoint.load import copy_tensors_into
+from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from lightning_moe.models.decoder import Decoder
+from lightning_moe.parallel import ParallelDims, parallelize
+from lightning_moe.parallel.context import shard_batch
+from lightning_moe.parallel.grad_norm import clip_grad_norm_
+
+ROWS, SEQ, STEPS = 4, 16, 5
+MAX_NORM = 0.5
+LOSS_TOLERANCE = 1e-5
+# fp32 sums in another order (sharded reductions, all-reduces): differences of a few ulps of each gradient
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7
+
+
+def tiny_config(name: str) -> ModelConfig:
+    """``llama``: dense GQA. ``qwen3_moe``: qk-norm, a dense block then an MoE block. ``qwen3_moe_skewed``:
+    the same with a selection bias that sends every token to experts 0 and 1. ``gpt_oss_like``: tied
+    embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias."""
+    if name == "gpt_oss_like":
+        return ModelConfig(
+            family="llama", vocab_size=64, hidden_size=32, pattern="*-*-", tie_embeddings=True,
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, out_bias=True,
+                                      sinks=True, sliding_window=6, sliding_window_layers=[True, False]),
+            mlp=MLPConfig(64, activation="relu2", bias=True), init_std=0.05,
+        )
+    if name == "llama":
+        return ModelConfig(
+            family="llama", vocab_size=64, hidden_size=32, pattern="*-*-",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8), mlp=MLPConfig(64), init_std=0.05,
+        )
+    if name in ("qwen3_moe", "qwen3_moe_skewed"):
+        return ModelConfig(
+            family="qwen3_moe", vocab_size=64, hidden_size=32, pattern="*-*E",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), mlp=MLPConfig(64),
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True,
+                          score_correction_bias=name.endswith("skewed")),
+            init_std=0.05,
+        )
+    raise ValueError(name)
+
+
+def initial_state(name: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    model = Decoder(tiny_config(name))
+    model.init_weights()
+    if name.endswith("skewed"):
+        for moe in model.moe_layers():
+            moe.router.score_correction_bias.copy_(torch.tensor([50.0, 50.0, -50.0, -50.0]))
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+def global_batches(vocab_size: int, steps: int = STEPS, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Packed rows: documents of 3-8 tokens (positions restart), no label on each document's last token,
+    and a prompt without loss at the start of row 0."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        input_ids = torch.randint(0, vocab_size, (ROWS, SEQ), generator=gen)
+        position_ids = torch.zeros_like(input_ids)
+        labels = torch.full_like(input_ids, -100)
+        for row in range(ROWS):
+            start = 0
+            while start < SEQ:
+                length = min(int(torch.randint(3, 9, (1,), generator=gen)), SEQ - start)
+                position_ids[row, start : start + length] = torch.arange(length)
+                labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
+                start += length
+        labels[0, :3] = -100
+        batches.append({"input_ids": input_ids, "labels": labels, "position_ids": position_ids})
+    return batches
+
+
+def local_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, torch.Tensor]:
+    rows = ROWS // dims.dp_size
+    start = dims.dp_rank * rows
+    local = {key: value[start : start + rows] for key, value in batch.items()}
+    return shard_batch(local, dims.mesh("cp")) if dims.cp > 1 else local
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+
+@dataclass
+class Run:
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # elements of parameters + gradients + optimizer states held by this rank after the first step
+    state_elements: int = 0
+
+
+def new_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(model: torch.nn.Module, batches, dims: ParallelDims | None = None, optimizer=None, first_step: int = 0,
+          run: Run | None = None) -> tuple[Run, torch.optim.Optimizer]:
+    optimizer = optimizer or new_optimizer(model)
+    run = run or Run()
+    group = dims.mesh("dp_cp").get_group() if dims is not None else None
+    reduction_size = dims.dp_cp_size if dims is not None else 1
+    for step in range(first_step, len(batches)):
+        batch = local_batch(batches[step], dims) if dims is not None else batches[step]
+        out = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+        out.loss_sum.backward()
+        totals = torch.stack([out.loss_sum.detach(), out.num_label_tokens.to(torch.float32)])
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, reduction_size / totals[1].item())
+        if dims is not None:
+            norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        run.losses.append(totals[0].item() / totals[1].item())
+        run.norms.append(float(norm))
+        if step == 0:
+            run.grads = {name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        if step == 0:
+            tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+            tensors += [t for state in optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0]
+            run.state_elements = sum(local_numel(t) for t in tensors)
+        optimizer.zero_grad()
+    return run, optimizer
+
+
+def parallel_model(name: str, dims: ParallelDims, state: dict[str, torch.Tensor] | None, **options) -> Decoder:
+    """Built as the training module builds it: meta device, parallelize, materialize, initialize, load."""
+    with torch.device("meta"):
+        model = Decoder(tiny_config(name))
+    parallelize(model, dims, **options)
+    model.to_empty(device="cpu")
+    torch.manual_seed(99)
+    model.init_weights()
+    if state is not None:
+        copy_tensors_into(model, state.items())
+    return model
+
+
+def compare(case: str, reference: Run, run: Run) -> list[str]:
+    problems = []
+    for step, (expected, got) in enumerate(zip(reference.losses, run.losses)):
+        if abs(expected - got) > LOSS_TOLERANCE:
+            problems.append(f"{case}: step {step} loss {got:.8f} != single-process {expected:.8f}")
+    if len(run.losses) != len(reference.losses):
+        problems.append(f"{case}: {len(run.losses)} steps, expected {len(reference.losses)}")
+    for step, (expected, got) in enumerate(zip(reference.norms, run.norms)):
+        if abs(expected - got) > GRAD_RTOL * abs(expected):
+            problems.append(f"{case}: step {step} gradient norm {got:.8f} != single-process {expected:.8f}")
+    if set(run.grads) != set(reference.grads):
+        problems.append(f"{case}: gradients of {sorted(set(run.grads) ^ set(reference.grads))} missing on one side")
+    for name, expected in reference.grads.items():
+        got = run.grads.get(name)
+        if got is not None and not torch.allclose(got, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+            error = (got - expected).abs().max().item()
+            problems.append(f"{case}: step-1 gradient of {name} differs by up to {error:.3g}")
+    return problems
+
+
+def build_dims(sizes: dict[str, int]) -> ParallelDims:
+    dims = ParallelDims(**sizes, world_size=dist.get_world_size())
+    dims.build_meshes("cpu")
+    return dims
+
+
+def run_layout(case: str, model: str, sizes: dict[str, int], max_state_ratio: float | None = None,
+               **options) -> list[str]:
+    """Train ``model`` with ``sizes`` and compare with the single-process run."""
+    dims = build_dims(sizes)
+    state = initial_state(model)
+    batches = global_batches(tiny_config(model).vocab_size)
+    reference = Decoder(tiny_config(model))
+    reference.load_state_dict(state)
+    expected, _ = train(reference, batches)
+    got, _ = train(parallel_model(model, dims, state, **options), batches, dims)
+    problems = compare(case, expected, got)
+    if model.endswith("skewed") and any(moe.tokens_per_expert[2:].sum() for moe in reference.moe_layers()):
+        problems.append(f"{case}: the selection bias did not keep experts 2 and 3 (the second ep rank) idle")
+    if max_state_ratio is not None:
+        ratio = got.state_elements / expected.state_elements
+        if ratio > max_state_ratio:
+            problems.append(f"{case}: parameters+gradients+optimizer state per rank are {ratio:.3f} of the "
+                            f"single-process run, more than {max_state_ratio}")
+    return problems
+
+
+def run_reshard(case: str, model: str, save_sizes: dict[str, int], load_sizes: dict[str, int],
+                directory: str, save_after: int = 2) -> list[str]:
+    """Train ``save_after`` steps on one layout, save a distributed checkpoint (model + optimizer), resume on
+    another layout (different weights before loading) and finish: the losses continue the reference run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = initial_state(model)
+    batches = global_batches(tiny_config(model).vocab_size)
+    reference = Decoder(tiny_config(model))
+    reference.load_state_dict(state)
+    expected, _ = train(reference, batches)
+
+    first_dims = build_dims(save_sizes)
+    first = parallel_model(model, first_dims, state)
+    run, optimizer = train(first, batches[:save_after], first_dims)
+    dcp.save({"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, optimizer)},
+             checkpoint_id=directory)
+
+    second_dims = build_dims(load_sizes)
+    second = parallel_model(model, second_dims, None)
+    second_optimizer = new_optimizer(second)
+    loaded = {"model": get_model_state_dict(second), "optim": get_optimizer_state_dict(second, second_optimizer)}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_model_state_dict(second, loaded["model"])
+    set_optimizer_state_dict(second, second_optimizer, loaded["optim"])
+    run, _ = train(second, batches, second_dims, second_optimizer, first_step=save_after, run=run)
+    run.grads = expected.grads  # gradients of step 1 are checked by the other cases
+    return compare(case, expected, run)
+
+
+def check_cases(cases: list[tuple]) -> None:
+    """Run every ``(function name, args, kwargs)`` case on this rank; report all mismatches together."""
+    problems = []
+    for function, args, kwargs in cases:
+        problems += globals()[function](*args, **kwargs)
+    if problems:
+        raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))
