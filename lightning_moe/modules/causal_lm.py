@@ -30,24 +30,48 @@ from lightning_moe.models.config import (
 from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
+from lightning_moe.peft import LoraConfig
+from lightning_moe.precision import Float8Config
 
 
 def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
-                  device: torch.device | str = "cpu") -> Decoder:
-    """Meta-device construction -> ``parallelize`` (sharding) -> materialize on ``device`` -> initialize with
-    ``seed`` -> copy the checkpoint's weights (each rank only its shards) when ``source`` is given."""
+                  device: torch.device | str = "cpu", fp8: Float8Config | None = None,
+                  peft: LoraConfig | None = None, freeze: list[str] | None = None) -> Decoder:
+    """Meta-device construction -> converters (FP8, LoRA, freezing) -> ``parallelize`` (sharding) -> materialize
+    on ``device`` -> initialize with ``seed`` -> copy the checkpoint's weights (each rank only its shards) when
+    ``source`` is given -> the starting adapter, if any."""
     with torch.device("meta"):
         model = Decoder(config)
+    if fp8 is not None:
+        from lightning_moe.precision import apply_float8
+
+        apply_float8(model, fp8)
+    if peft is not None:
+        from lightning_moe.peft import apply_lora
+
+        apply_lora(model, peft)
+    if freeze:
+        from lightning_moe.peft import freeze_parameters
+
+        freeze_parameters(model, freeze)
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.init_weights()
+        if peft is not None:
+            from lightning_moe.peft import reset_lora_parameters
+
+            reset_lora_parameters(model)
     if source is not None:
         from lightning_moe.checkpoint.load import copy_tensors_into
 
         copy_tensors_into(model, source.iter_native())
+    if peft is not None and peft.adapter_path is not None:
+        from lightning_moe.peft import load_hf_adapter
+
+        load_hf_adapter(model, Path(peft.adapter_path).expanduser(), hf_config=getattr(source, "hf_config", None))
     return model
 
 
@@ -62,6 +86,9 @@ class CausalLM(L.LightningModule):
         scheduler: warmup + decay settings.
         mtp_loss_scale: weight of each multi-token-prediction depth's loss (default: ``model.mtp.loss_scale``).
         seed: seed of the weight initialization (every rank uses the same one).
+        fp8: FP8 / MXFP8 training of linear layers (and MXFP8 expert GEMMs); emulated where no hardware runs it.
+        peft: LoRA adapters; only they train, and checkpoints hold only them (plus buffers).
+        freeze: regular expressions of parameter names to keep frozen (full fine-tuning).
     """
 
     def __init__(
@@ -72,6 +99,9 @@ class CausalLM(L.LightningModule):
         scheduler: SchedulerConfig | None = None,
         mtp_loss_scale: float | None = None,
         seed: int = 0,
+        fp8: Float8Config | None = None,
+        peft: LoraConfig | None = None,
+        freeze: list[str] | None = None,
     ) -> None:
         super().__init__()
         if model is None and pretrained is None:
@@ -83,6 +113,9 @@ class CausalLM(L.LightningModule):
         self.scheduler_config = scheduler or SchedulerConfig()
         self.mtp_loss_scale = mtp_loss_scale
         self.seed = seed
+        self.fp8, self.peft, self.freeze = fp8, peft, freeze
+        # LoRA checkpoints hold no frozen weights: those come from ``pretrained`` on resume
+        self.strict_loading = peft is None
         self.model: Decoder | None = None
         self.step_stats: StepStats | None = None
         self._source = None
@@ -110,6 +143,7 @@ class CausalLM(L.LightningModule):
         self.model = build_decoder(
             self.resolved_config(), seed=self.seed, source=self._checkpoint(),
             parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
+            fp8=self.fp8, peft=self.peft, freeze=self.freeze,
         )
 
     # ------------------------------------------------------------------ distributed bookkeeping
@@ -263,6 +297,10 @@ class CausalLM(L.LightningModule):
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
+        if self.peft is not None:
+            from lightning_moe.peft import without_frozen
+
+            checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("rng_states")
@@ -279,5 +317,5 @@ class CausalLM(L.LightningModule):
 # hyperparameters hold these dataclasses: let weights-only checkpoint loading rebuild them
 torch.serialization.add_safe_globals(
     [ModelConfig, AttentionConfig, RopeConfig, MLPConfig, MoEConfig, MambaConfig, MTPConfig,
-     OptimizerConfig, SchedulerConfig]
+     OptimizerConfig, SchedulerConfig, Float8Config, LoraConfig]
 )

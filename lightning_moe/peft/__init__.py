@@ -3,7 +3,13 @@ import, merged export, and freezing by pattern."""
 
 from lightning_moe.peft.freeze import freeze_parameters
 from lightning_moe.peft.hf_adapter import export_hf_adapter, load_hf_adapter
-from lightning_moe.peft.lora import LoraConfig, apply_lora, is_adapter_parameter, reset_lora_parameters
+from lightning_moe.peft.lora import (
+    LoraConfig,
+    apply_lora,
+    is_adapter_parameter,
+    reset_lora_parameters,
+    without_frozen,
+)
 from lightning_moe.peft.merge import export_merged_hf, merged_state_dict
 
 __all__ = [
@@ -16,4 +22,5 @@ __all__ = [
     "load_hf_adapter",
     "merged_state_dict",
     "reset_lora_parameters",
+    "without_frozen",
 ]

@@ -44,6 +44,7 @@ class LoraConfig:
         target_experts: adapt the stacked MoE experts (one adapter per expert).
         include_mtp: let the multi-token-prediction layers (``mtp.*``) be adapted too.
         base_dtype: store the frozen base weights in this dtype (e.g. ``bfloat16``); adapters keep the run's.
+        adapter_path: start from this Hugging Face PEFT adapter directory (same targets, ``r`` and ``alpha``).
     """
 
     r: int = 8
@@ -54,6 +55,7 @@ class LoraConfig:
     target_experts: bool = False
     include_mtp: bool = False
     base_dtype: str | None = None
+    adapter_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -66,6 +68,12 @@ class LoraConfig:
 
 def is_adapter_parameter(name: str) -> bool:
     return ".lora_" in name
+
+
+def without_frozen(state_dict: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict less its frozen parameters: what a LoRA checkpoint needs (adapters, buffers)."""
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+    return {name: value for name, value in state_dict.items() if name not in frozen}
 
 
 def matches(name: str, pattern: str) -> bool:
