@@ -159,6 +159,23 @@ class ParallelDims:
                 f"multiple of {multiple}, e.g. {seq_length + multiple - seq_length % multiple}"
             )
 
+    def check_data_module(self, data) -> None:
+        """A data module's row length (``seq_length``, ``packed_sequence_size``, or ``pad_seq_to_mult`` for
+        unpacked rows) must split into the context- and sequence-parallel shards."""
+        multiple = self.sequence_multiple()
+        if getattr(data, "packing", None) == "none" and getattr(data, "pad_seq_to_mult", None) is not None:
+            if data.pad_seq_to_mult % multiple:
+                raise ValueError(
+                    f"{type(data).__name__}.pad_seq_to_mult={data.pad_seq_to_mult}: unpacked rows must be padded to "
+                    f"a multiple of {multiple} with cp={self.cp}, tp={self.tp}; set pad_seq_to_mult to a multiple "
+                    f"of {multiple}"
+                )
+            return
+        for key in ("seq_length", "packed_sequence_size"):
+            value = getattr(data, key, None)
+            if isinstance(value, int):
+                self.check_seq_length(value, f"{type(data).__name__}.{key}")
+
     # ------------------------------------------------------------------ meshes
     def build_meshes(self, device_type: str) -> None:
         """Create the process groups (collective over all ranks; call once, on every rank)."""

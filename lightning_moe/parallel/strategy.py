@@ -156,22 +156,7 @@ class ParallelStrategy(ModelParallelStrategy):
         return clip_grad_norm_(parameters, max_norm, norm_type)
 
     def setup(self, trainer) -> None:
-        self._check_data_seq_length(trainer)
-        super().setup(trainer)
-
-    def _check_data_seq_length(self, trainer) -> None:
         data = getattr(trainer, "datamodule", None)
-        if data is None:
-            return
-        dims = self.parallel_dims
-        if getattr(data, "packing", None) == "none" and getattr(data, "pad_seq_to_mult", None) is not None:
-            if data.pad_seq_to_mult % dims.sequence_multiple():
-                raise ValueError(
-                    f"pad_seq_to_mult={data.pad_seq_to_mult}: unpacked rows must be padded to a multiple of "
-                    f"{dims.sequence_multiple()} with cp={dims.cp}, tp={dims.tp}; set pad_seq_to_mult to a multiple of it"
-                )
-            return
-        for key in ("seq_length", "packed_sequence_size"):
-            value = getattr(data, key, None)
-            if isinstance(value, int):
-                dims.check_seq_length(value, f"{type(data).__name__}.{key}")
+        if data is not None:
+            self.parallel_dims.check_data_module(data)
+        super().setup(trainer)

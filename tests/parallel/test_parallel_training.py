@@ -8,10 +8,9 @@ resume on another and continue the same loss curve. One launch per world size ru
 
 from __future__ import annotations
 
+import parallel_cases
 import pytest
 from distributed_harness import run_distributed_test
-
-import parallel_cases
 
 pytestmark = pytest.mark.distributed
 

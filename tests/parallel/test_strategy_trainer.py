@@ -1,0 +1,14 @@
+"""``ParallelStrategy`` under a real ``Trainer`` with ``CausalLM``: a distributed checkpoint written with 2-way
+FSDP resumes with 2-way tensor parallelism and continues with the same losses and gradient norms."""
+
+from __future__ import annotations
+
+import pytest
+import trainer_cases
+from distributed_harness import run_distributed_test
+
+pytestmark = pytest.mark.distributed
+
+
+def test_fsdp_checkpoint_resumes_with_tensor_parallelism(tmp_path):
+    run_distributed_test(trainer_cases.resume_on_another_mesh, 2, str(tmp_path), init_process_group=False)
