@@ -380,3 +380,60 @@ def test_lora_adapts_mamba_experts_and_mtp_layers(tmp_path):
     assert all(".lora_" in n for n in grads)
     for name in ("layers.0.mamba.in_proj.lora_A.default.weight", "mtp.depths.1.layers.1.moe.experts.adapter.lora_B.up"):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
+
+
+# ---------------------------------------------------------------------------------- expert parallelism
+def check_expert_parallel_with_mtp() -> None:
+    """One rank of ``dp_shard=2, ep=2``: each rank runs one row; the summed main and per-depth MTP losses and
+    the gradients (experts of backbone and MTP layers included) equal one process running both rows."""
+    import torch.distributed as dist
+
+    from lightning_moe.checkpoint.load import copy_tensors_into
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.parallel import ParallelDims, parallelize
+
+    cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
+    cfg.moe.aux_loss_coeff = 0.0  # a batch statistic: differs between one row and two by definition
+    torch.manual_seed(0)
+    reference = Decoder(cfg)
+    reference.init_weights()
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=gen)
+    labels = ids.roll(-1, dims=1).masked_fill(torch.rand(2, 24, generator=gen) < 0.2, -100)
+
+    dims = ParallelDims(dp_shard=2, ep=2, world_size=dist.get_world_size())
+    dims.build_meshes("cpu")
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    parallelize(model, dims)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    copy_tensors_into(model, reference.state_dict().items())
+
+    def run(decoder, rows):
+        out = decoder(ids[rows], labels=labels[rows])
+        (out.loss_sum + cfg.mtp.loss_scale * sum(out.mtp_loss_sums)).backward()
+        return torch.stack([out.loss_sum.detach(), *[s.detach() for s in out.mtp_loss_sums]])
+
+    expected = run(reference, slice(0, 2))
+    rank = dist.get_rank()
+    got = run(model, slice(rank, rank + 1))
+    dist.all_reduce(got)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    experts = {n: p for n, p in model.named_parameters() if n.endswith(("experts.up_proj", "experts.down_proj"))}
+    assert any(n.startswith("mtp.") for n in experts) and any(n.startswith("layers.") for n in experts)
+    for name, param in experts.items():
+        assert param.to_local().shape[0] == cfg.moe.num_experts // 2, name  # this rank's half of the experts
+    reference_grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        # FSDP averages gradients over the two data-parallel ranks; the reference summed both rows
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        torch.testing.assert_close(grad * 2, reference_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+
+@pytest.mark.distributed
+def test_expert_parallel_covers_backbone_and_mtp_experts():
+    from distributed_harness import run_distributed_test
+
+    run_distributed_test(check_expert_parallel_with_mtp, 2)
