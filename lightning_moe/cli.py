@@ -3,6 +3,7 @@
     lightning-moe fit --config recipe.yaml [--trainer.max_steps 100 ...]
     lightning-moe convert import --hf-path DIR --out DIR
     lightning-moe convert export --ckpt DIR --out DIR [--dtype bfloat16]
+    lightning-moe convert export-lora --ckpt RUN.ckpt [--adapter-out DIR] [--merged-out DIR]
     lightning-moe convert verify --reference DIR --candidate DIR
     lightning-moe data pack|index ...
     lightning-moe report RUN_DIR

@@ -1,4 +1,4 @@
-"""``lightning-moe convert import|export|verify``: checkpoint conversion from the command line.
+"""``lightning-moe convert import|export|export-lora|verify``: checkpoint conversion from the command line.
 
 User errors (missing files, unknown architectures, mismatched tensors) print one line and exit 1;
 outputs are written to a temporary directory and renamed, so a failed run leaves nothing behind.
@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
     exp.add_argument("--overwrite", action="store_true")
 
+    lora = sub.add_parser("export-lora", help="LoRA run checkpoint -> Hugging Face PEFT adapter and/or merged model")
+    lora.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) of a run with `peft` settings")
+    lora.add_argument("--adapter-out", default=None, help="output directory of the PEFT adapter")
+    lora.add_argument("--merged-out", default=None, help="output directory of the merged Hugging Face model")
+    lora.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    lora.add_argument("--overwrite", action="store_true")
+
     ver = sub.add_parser("verify", help="compare two Hugging Face directories tensor by tensor")
     ver.add_argument("--reference", required=True)
     ver.add_argument("--candidate", required=True)
@@ -53,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
                 overwrite=args.overwrite,
             )
             print(f"exported {args.ckpt} -> {out}")
+        elif args.action == "export-lora":
+            from lightning_moe.peft.run_export import export_lora_run
+
+            for out in export_lora_run(args.ckpt, adapter_out=args.adapter_out, merged_out=args.merged_out,
+                                       dtype=DTYPES.get(args.dtype), overwrite=args.overwrite):
+                print(f"exported {args.ckpt} -> {out}")
         else:
             report = convert.verify_hf_checkpoints(args.reference, args.candidate)
             print(report.summary())
