@@ -114,8 +114,13 @@ class CausalLM(L.LightningModule):
         self.mtp_loss_scale = mtp_loss_scale
         self.seed = seed
         self.fp8, self.peft, self.freeze = fp8, peft, freeze
-        # LoRA checkpoints hold no frozen weights: those come from ``pretrained`` on resume
-        self.strict_loading = peft is None
+        if peft is not None:
+            from lightning_moe.peft import drop_frozen_parameters
+
+            # LoRA checkpoints hold no frozen weights (they come from ``pretrained`` on resume), also in
+            # distributed checkpoints, which load exactly the keys the state dict has
+            self.register_state_dict_post_hook(drop_frozen_parameters)
+            self.strict_loading = False
         self.model: Decoder | None = None
         self.step_stats: StepStats | None = None
         self._source = None
@@ -297,10 +302,6 @@ class CausalLM(L.LightningModule):
             "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
-        if self.peft is not None:
-            from lightning_moe.peft import without_frozen
-
-            checkpoint["state_dict"] = without_frozen(checkpoint["state_dict"], self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("rng_states")

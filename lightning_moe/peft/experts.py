@@ -17,6 +17,11 @@ from torch import nn
 from lightning_moe.models.layers.moe import GroupedExperts
 
 
+def lora_a_bound(fan_in: int) -> float:
+    """peft's init of A (kaiming-uniform with a=sqrt(5)) is uniform in +-1/sqrt(fan_in)."""
+    return 1.0 / math.sqrt(fan_in)
+
+
 def fused_input_projection(experts: GroupedExperts) -> str:
     """Name of the adapter on the experts' input side: ``gate_up`` (gated) or ``up``."""
     return "gate_up" if experts.gate_proj is not None else "up"
@@ -46,7 +51,7 @@ class ExpertLora(nn.Module):
         """peft's default init (``init_std`` of the base does not apply): A uniform in +-1/sqrt(fan_in), B zero,
         so the adapted model starts equal to the base."""
         for a in self.lora_A.values():
-            bound = 1.0 / math.sqrt(a.shape[-1])
+            bound = lora_a_bound(a.shape[-1])
             nn.init.uniform_(a, -bound, bound)
         for b in self.lora_B.values():
             nn.init.zeros_(b)

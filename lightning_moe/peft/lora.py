@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.layers.moe import GroupedExperts
-from lightning_moe.peft.experts import ExpertLora
+from lightning_moe.peft.experts import ExpertLora, lora_a_bound
 
 ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"
@@ -70,10 +70,12 @@ def is_adapter_parameter(name: str) -> bool:
     return ".lora_" in name
 
 
-def without_frozen(state_dict: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state dict less its frozen parameters: what a LoRA checkpoint needs (adapters, buffers)."""
-    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
-    return {name: value for name, value in state_dict.items() if name not in frozen}
+def drop_frozen_parameters(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook: leave out frozen parameters, so a LoRA run's checkpoints (plain or distributed)
+    hold adapters and buffers only, and loading asks for nothing else."""
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            state_dict.pop(prefix + name, None)
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -174,18 +176,20 @@ def _cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
 
 @torch.no_grad()
 def reset_lora_parameters(model: nn.Module) -> int:
-    """Initialize every adapter (after ``to_empty``): A random, B zero. Returns the number of adapted modules."""
-    from peft.tuners.lora import LoraLayer
+    """Initialize every adapter (after ``to_empty``) as peft does: A uniform in +-1/sqrt(fan_in), B zero.
 
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.reset_lora_parameters(ADAPTER_NAME, True)
-            count += 1
-        elif isinstance(module, ExpertLora):
-            module.reset_parameters()
-            count += 1
-    return count
+    Values are drawn whole on the CPU from the torch RNG, in parameter order, and each rank keeps its shard, so
+    the adapters are the same whatever the parallel layout. Returns the number of adapter tensors."""
+    from lightning_moe.checkpoint.load import copy_tensors_into
+
+    values = []
+    for name, param in model.named_parameters():
+        if ".lora_A" in name:
+            bound = lora_a_bound(param.shape[-1])
+            values.append((name, torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound)))
+        elif ".lora_B" in name:
+            values.append((name, torch.zeros(param.shape)))
+    return copy_tensors_into(model, values)
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
