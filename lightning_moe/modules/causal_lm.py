@@ -28,6 +28,7 @@ from lightning_moe.models.config import (
     RopeConfig,
 )
 from lightning_moe.models.decoder import Decoder, LossOutput
+from lightning_moe.models.hf import HFModel, HFModelConfig
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
 from lightning_moe.peft import LoraConfig
@@ -79,7 +80,9 @@ class CausalLM(L.LightningModule):
     """A causal language model trained on ``{input_ids, labels (pre-shifted), position_ids}`` batches.
 
     Args:
-        model: the architecture; optional when ``pretrained`` is given (its config is used).
+        model: the architecture; optional when ``pretrained`` is given (its config is used). An
+            :class:`HFModelConfig` (``{hf: <dir or hub id>, ...}``) trains a Hugging Face checkpoint: natively
+            when its architecture has a native family (``native: auto``), else as the transformers model itself.
         pretrained: a Hugging Face model directory or a checkpoint written by ``lightning-moe convert import``.
             A missing path, or one whose tensors do not match ``model``, is an error, never a random start.
         optimizer: AdamW settings.
@@ -91,9 +94,11 @@ class CausalLM(L.LightningModule):
         freeze: regular expressions of parameter names to keep frozen (full fine-tuning).
     """
 
+    hf_task = "causal-lm"  # which transformers auto class builds an HFModelConfig model
+
     def __init__(
         self,
-        model: ModelConfig | None = None,
+        model: ModelConfig | HFModelConfig | None = None,
         pretrained: str | None = None,
         optimizer: OptimizerConfig | None = None,
         scheduler: SchedulerConfig | None = None,
@@ -106,6 +111,8 @@ class CausalLM(L.LightningModule):
         super().__init__()
         if model is None and pretrained is None:
             raise ValueError("CausalLM needs `model` (a ModelConfig) or `pretrained` (a checkpoint directory)")
+        if isinstance(model, HFModelConfig) and pretrained is not None:
+            raise ValueError("model.hf already names the checkpoint to start from; drop `pretrained`")
         self.save_hyperparameters()
         self.model_config = model
         self.pretrained = pretrained
@@ -121,7 +128,7 @@ class CausalLM(L.LightningModule):
             # distributed checkpoints, which load exactly the keys the state dict has
             self.register_state_dict_post_hook(drop_frozen_parameters)
             self.strict_loading = False
-        self.model: Decoder | None = None
+        self.model: Decoder | HFModel | None = None
         self.step_stats: StepStats | None = None
         self._source = None
         self._step_sums: dict[str, torch.Tensor] = {}
@@ -135,7 +142,24 @@ class CausalLM(L.LightningModule):
             self._source = open_checkpoint(Path(self.pretrained).expanduser())
         return self._source
 
+    def _route_hf(self) -> None:
+        """An ``HFModelConfig`` whose architecture has a native family becomes ``pretrained`` (native path);
+        any other stays and is built through transformers."""
+        cfg = self.model_config
+        if not isinstance(cfg, HFModelConfig) or cfg.native == "never":
+            return
+        from lightning_moe.models.hf import native_family, read_config_json, resolve_model_dir
+
+        directory = resolve_model_dir(cfg)
+        config_json = read_config_json(directory)
+        if native_family(config_json) is not None:
+            self.model_config, self.pretrained = None, str(directory)
+        elif cfg.native == "always":
+            raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
+                             f"family; use native: auto to train it through transformers")
+
     def resolved_config(self) -> ModelConfig:
+        self._route_hf()
         source = self._checkpoint()
         if self.model_config is None:
             return source.config
@@ -145,10 +169,25 @@ class CausalLM(L.LightningModule):
         if self.model is not None:
             return
         strategy = self.trainer.strategy
+        self._route_hf()
+        if isinstance(self.model_config, HFModelConfig):
+            self.model = self._build_hf(strategy)
+            return
         self.model = build_decoder(
             self.resolved_config(), seed=self.seed, source=self._checkpoint(),
             parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
             fp8=self.fp8, peft=self.peft, freeze=self.freeze,
+        )
+
+    def _build_hf(self, strategy) -> HFModel:
+        from lightning_moe.models.hf import build_hf_model, hf_converters
+
+        if self.peft is not None and self.peft.adapter_path is not None:
+            raise ValueError("peft.adapter_path: starting adapters are read into native models only; "
+                             "drop it for a model trained through transformers (model.hf)")
+        return build_hf_model(
+            self.model_config, task=self.hf_task, convert=hf_converters(self.fp8, self.peft, self.freeze),
+            parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device, seed=self.seed,
         )
 
     # ------------------------------------------------------------------ distributed bookkeeping
@@ -203,7 +242,7 @@ class CausalLM(L.LightningModule):
             # a mean-type loss: weight it by this micro-batch's share of label tokens
             objective = objective + out.aux_loss * out.num_label_tokens
             self._accumulate(sums, "aux_loss", out.aux_loss * out.num_label_tokens)
-        scale = self._mtp_scale()
+        scale = self._mtp_scale() if out.mtp_loss_sums else 0.0
         for depth, (mtp_sum, mtp_count) in enumerate(zip(out.mtp_loss_sums, out.mtp_label_tokens), start=1):
             objective = objective + scale * mtp_sum
             self._accumulate(sums, f"mtp_{depth}_loss_sum", mtp_sum)
@@ -254,8 +293,9 @@ class CausalLM(L.LightningModule):
         from lightning_moe.models.layers.moe import update_expert_bias
 
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        # aux-loss-free balancing: expert biases move right after the weights do
-        update_expert_bias(self.model, self._loss_group())
+        # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
+        # all ranks: tensor-parallel ranks route different sequence shards, and the update only uses the sign
+        update_expert_bias(self.model)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:

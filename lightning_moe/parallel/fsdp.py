@@ -36,6 +36,9 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if cpu_offload and mesh.device_type == "cpu":
+        raise ValueError("cpu_offload=True offloads accelerator memory to the host; with accelerator=cpu the "
+                         "parameters are in host memory already: use cpu_offload=False")
     options = {
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),

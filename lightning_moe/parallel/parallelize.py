@@ -28,10 +28,21 @@ def parallelize(
     """Split ``model`` (a Decoder built on the meta device, after converters) over the meshes of ``dims``.
 
     Materialize it afterwards (``to_empty`` + ``init_weights`` or ``copy_tensors_into``). ``param_dtype`` /
-    ``reduce_dtype`` / ``cpu_offload`` are FSDP's mixed-precision and offload policies (used when there is
-    more than one data- or context-parallel rank). ``expert_dispatcher(group, num_local_experts)`` builds the
-    token dispatcher of expert parallelism (default: all-to-all).
+    ``reduce_dtype`` / ``cpu_offload`` are FSDP's mixed-precision and offload policies.
+    ``expert_dispatcher(group, num_local_experts)`` builds the token dispatcher of expert parallelism
+    (default: all-to-all).
     """
+    from lightning_moe.models.hf import HFModel
+
+    if isinstance(model, HFModel):
+        # a transformers model (the generic path) brings its own blocks: see parallel/hf.py
+        from lightning_moe.parallel.hf import parallelize_hf
+
+        return parallelize_hf(
+            model, dims, activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+        )
     dims.check_model(model.config)
     if dims.tp > 1:
         from lightning_moe.parallel.tensor import apply_tensor_parallel
@@ -46,7 +57,9 @@ def parallelize(
 
         apply_context_parallel(model, dims.mesh("cp"))
     apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
-    if dims.fsdp_enabled:
+    # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for
+    # even without data-parallel ranks (a 1-rank mesh)
+    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         from lightning_moe.parallel.fsdp import apply_fsdp
 
         apply_fsdp(

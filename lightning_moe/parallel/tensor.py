@@ -9,7 +9,8 @@ and target logit, all-reduced), so full-vocabulary logits never exist on one ran
 
 MoE blocks are not split by channels: each rank routes its own sequence shard through the whole MoE, whose
 parameters are replicated over the tensor-parallel ranks and whose gradients are summed over them (every
-rank saw different tokens). Use expert parallelism to spread the experts' memory.
+rank saw different tokens); the load-balancing loss is the mean of the shards' losses, as for micro-batches.
+Use expert parallelism to spread the experts' memory.
 
 Supported: GQA/MHA attention (qk-norm, biases, sinks, sliding windows), dense MLPs, MoE, tied or untied
 output. Not supported (``ParallelDims.check_model`` says so before anything is built): MLA, Mamba-2, MTP.
@@ -86,6 +87,23 @@ def _replicate_moe(moe: nn.Module, tp_mesh) -> None:
                 replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
                 owner._parameters[leaf] = nn.Parameter(replicated, requires_grad=param.requires_grad)
     use_local_parameters(moe, grad_placements=[Partial()])
+    moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
+
+
+def _average_aux_loss_over(group):
+    """Each rank's load-balancing loss covers its sequence shard: make it the mean over the shards (the same
+    value on every rank, as the main loss is) whose gradient is this shard's share of the mean's gradient."""
+    import torch.distributed as dist
+
+    def average(moe, args, output):
+        if moe.aux_loss is not None:
+            share = moe.aux_loss / dist.get_world_size(group)
+            mean = share.detach().clone()
+            dist.all_reduce(mean, group=group)
+            moe.aux_loss = share + (mean - share.detach())
+        return output
+
+    return average
 
 
 class VocabParallelOutput(OutputLayer):

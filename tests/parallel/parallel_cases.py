@@ -247,6 +247,33 @@ def run_reshard(case: str, model: str, save_sizes: dict[str, int], load_sizes: d
     return compare(case, expected, run)
 
 
+def run_forward(case: str, model: str, sizes: dict[str, int], backend: str, window: int | None = None) -> list[str]:
+    """The loss of one packed batch with attention ``backend`` and ``window`` (forward only: flex has no CPU
+    backward)."""
+    config = tiny_config(model)
+    config.attention.backend = backend
+    config.attention.sliding_window = window
+    dims = build_dims(sizes)
+    state = initial_state(model)
+    batch = global_batches(config.vocab_size, steps=1)[0]
+    reference = Decoder(config)
+    reference.load_state_dict(state)
+    with torch.device("meta"):
+        model_ = Decoder(config)
+    parallelize(model_, dims)
+    model_.to_empty(device="cpu")
+    model_.init_weights()
+    copy_tensors_into(model_, state.items())
+    with torch.no_grad():
+        expected = reference(batch["input_ids"], batch["position_ids"], labels=batch["labels"]).loss_sum
+        local = local_batch(batch, dims)
+        got = model_(local["input_ids"], local["position_ids"], labels=local["labels"]).loss_sum
+        dist.all_reduce(got, group=dims.mesh("dp_cp").get_group())
+    if abs(got.item() - expected.item()) > LOSS_TOLERANCE * abs(expected.item()):
+        return [f"{case}: loss sum {got.item():.6f} != single-process {expected.item():.6f}"]
+    return []
+
+
 def check_cases(cases: list[tuple]) -> None:
     """Run every ``(function name, args, kwargs)`` case on this rank; report all mismatches together."""
     problems = []

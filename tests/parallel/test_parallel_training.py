@@ -37,7 +37,17 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("fsdp x ep", "qwen3_moe", {"dp_shard": 4, "ep": 2}), {}),
         ("run_layout", ("tp x cp, selective activation checkpointing", "qwen3_moe", {"tp": 2, "cp": 2}),
          {"activation_checkpointing": "selective", "activation_checkpointing_every": 2}),
+        ("run_layout", ("hsdp x ep", "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {}),
+        ("run_layout", ("ep over dp_shard x cp", "qwen3_moe", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
                          {"dp_replicate": 2, "dp_shard": 2}, str(tmp_path / "ep-to-hsdp")), {}),
     ]
     run_distributed_test(parallel_cases.check_cases, 4, cases)
+
+
+@pytest.mark.slow
+def test_context_parallel_flex_attention_block_masks():
+    """flex_attention under context parallelism: block masks over (local queries, gathered keys) with packed
+    documents and a sliding window give the single-process loss (forward only; compiling takes ~30 s)."""
+    cases = [("run_forward", ("cp, flex", "llama", {"cp": 2}, "flex", 6), {})]
+    run_distributed_test(parallel_cases.check_cases, 2, cases)
