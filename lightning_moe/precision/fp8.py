@@ -196,6 +196,11 @@ def _mx_converter(cfg: Float8Config, emulate: bool):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
+    # sharded (DTensor) expert weights reach distributed checkpoints still wrapped: let weights-only loading
+    # rebuild them
+    torch.serialization.add_safe_globals(
+        [MXFP8TrainingWeightWrapperTensor, MXFP8TrainingOpConfig, KernelPreference, ScaleCalculationMode]
+    )
     kernels = KernelPreference.EMULATED if emulate else KernelPreference.AUTO
     grouped = MXFP8TrainingOpConfig(
         kernel_preference=kernels,
