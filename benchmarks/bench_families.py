@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import torch
+from bench_mamba import median_seconds  # alternating rounds, median step time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -57,19 +56,6 @@ def build(family: str, seq: int, hf_experts: str | None):
         theirs.save_pretrained(tmp)
         ours = load_pretrained(tmp, dtype=torch.float32)
     return ours.train(), theirs.train()
-
-
-def median_seconds(steps: dict, rounds: int) -> dict[str, float]:
-    """Median step time of each candidate, alternating candidates every round so load changes hit all alike."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for step in steps.values():
-        step()  # warm-up
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(family: str, args) -> None:

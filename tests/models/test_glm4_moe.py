@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_moe_hf import TOL, add_mtp_layer, build_tiny, max_logit_diff, max_packed_diff, round_trip, save_tiny
+from tiny_moe_hf import (
+    TOL,
+    add_mtp_layer,
+    build_tiny,
+    check_bitwise_round_trip,
+    max_logit_diff,
+    max_packed_diff,
+    round_trip,
+    save_tiny,
+)
 
 from lightning_moe.checkpoint.load import load_pretrained
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
@@ -56,16 +65,7 @@ def test_translation_of_the_hub_config():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_import_export_is_bitwise(tmp_path, dtype):
-    import transformers
-
-    hf_dir = save_tiny("glm4_moe", tmp_path / "hf", dtype)
-    report = round_trip(hf_dir, tmp_path)
-    assert report.ok, report.summary()
-    assert report.tensors == len(SafetensorsDir(hf_dir).keys())
-    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype)
-    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(a, b), name
+    check_bitwise_round_trip("glm4_moe", tmp_path, dtype)
 
 
 def test_mtp_layer_round_trip_is_bitwise(tmp_path):

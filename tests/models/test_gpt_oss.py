@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from tiny_moe_hf import TOL, build_tiny, max_logit_diff, max_packed_diff, round_trip, save_tiny
+from tiny_moe_hf import TOL, build_tiny, check_bitwise_round_trip, max_logit_diff, max_packed_diff
 
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.layers.rope import RotaryEmbedding
 
@@ -97,16 +96,7 @@ def test_translation_of_the_hub_config():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_import_export_is_bitwise(tmp_path, dtype):
-    import transformers
-
-    hf_dir = save_tiny("gpt_oss", tmp_path / "hf", dtype)
-    report = round_trip(hf_dir, tmp_path)
-    assert report.ok, report.summary()
-    assert report.tensors == len(SafetensorsDir(hf_dir).keys())
-    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=dtype)
-    for (name, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(a, b), name
+    check_bitwise_round_trip("gpt_oss", tmp_path, dtype)
 
 
 def test_expert_layout_is_deinterleaved(models):

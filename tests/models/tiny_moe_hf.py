@@ -144,3 +144,21 @@ def round_trip(hf_dir: Path, work: Path):
     import_hf_checkpoint(hf_dir, work / "native")
     export_hf_checkpoint(work / "native", work / "export")
     return verify_hf_checkpoints(hf_dir, work / "export")
+
+
+def check_bitwise_round_trip(name: str, work: Path, dtype: torch.dtype) -> Path:
+    """A saved tiny model survives import -> export bitwise, and transformers loads the export with the same
+    state. Returns the source directory."""
+    import transformers
+
+    from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+
+    hf_dir = save_tiny(name, work / "hf", dtype)
+    report = round_trip(hf_dir, work)
+    assert report.ok, report.summary()
+    assert report.tensors == len(SafetensorsDir(hf_dir).keys())
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(work / "export", dtype=dtype)
+    for (key, a), (_, b) in zip(original.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), key
+    return hf_dir
