@@ -13,3 +13,11 @@ def all_gather_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     # torch >= 2.10 name; older versions only have the *_tensor_autograd spelling
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     return gather(tensor.contiguous(), dim, group)
+
+
+def reduce_scatter_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` and keep this rank's slice along ``dim``; the backward all-gathers."""
+    from torch.distributed import _functional_collectives as funcol
+
+    scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+    return scatter(tensor.contiguous(), "sum", dim, group)

@@ -107,13 +107,15 @@ class ParallelDims:
         if self.tp > 1:
             if "M" in pattern:
                 raise ValueError(f"tp={self.tp}: tensor parallelism of Mamba-2 blocks is not supported; use tp=1")
-            if has_attention and att.type == "mla":
-                raise ValueError(f"tp={self.tp}: tensor parallelism of MLA attention is not supported; use tp=1")
-            if config.mtp is not None and config.mtp.num_layers:
-                raise ValueError(f"tp={self.tp}: tensor parallelism with MTP heads is not supported; use tp=1")
+            if has_attention and att.type == "mla" and att.out_bias:
+                raise ValueError(f"tp={self.tp}: tensor parallelism of MLA with attention.out_bias is not supported; "
+                                 f"use tp=1")
             if has_attention:
-                heads = math.gcd(att.num_heads, att.num_kv_heads)
-                for key, value in (("num_heads", att.num_heads), ("num_kv_heads", att.num_kv_heads)):
+                counts = [("num_heads", att.num_heads)]
+                if att.type == "gqa":
+                    counts.append(("num_kv_heads", att.num_kv_heads))
+                heads = math.gcd(*(value for _, value in counts))
+                for key, value in counts:
                     if value % self.tp:
                         raise ValueError(
                             f"tp={self.tp} does not divide {key}={value}; use tp in {divisors(heads)}"

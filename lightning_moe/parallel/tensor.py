@@ -12,8 +12,10 @@ parameters are replicated over the tensor-parallel ranks and whose gradients are
 rank saw different tokens); the load-balancing loss is the mean of the shards' losses, as for micro-batches.
 Use expert parallelism to spread the experts' memory.
 
-Supported: GQA/MHA attention (qk-norm, biases, sinks, sliding windows), dense MLPs, MoE, tied or untied
-output. Not supported (``ParallelDims.check_model`` says so before anything is built): MLA, Mamba-2, MTP.
+MLA splits its up projections by heads (the low-rank down projections are replicated); MTP depths reuse the
+block plans. Supported: GQA/MHA (qk-norm, biases, sinks, sliding windows) and MLA attention, dense MLPs,
+MoE, MTP, tied or untied output. Not supported (``ParallelDims.check_model`` says so before anything is
+built): Mamba-2.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.models.layers.loss import OutputLayer, linear_cross_entropy
-from lightning_moe.parallel.collectives import all_gather_autograd
+from lightning_moe.parallel.collectives import all_gather_autograd, reduce_scatter_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
 
 
@@ -39,11 +41,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     if model.lm_head is not None:
         # never called as a module: the output layer reads the weight (see VocabParallelOutput)
         model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight, tp_mesh, [Shard(0)]))
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    if model.mtp is not None:
+        for depth in model.mtp.depths:
+            blocks += list(depth.layers.values())
+            parallelize_module(depth, tp_mesh, {"final_norm": SequenceParallel(use_local_output=True)})
+            for module in (depth.enorm, depth.hnorm, depth.eh_proj):
+                _replicate_over_sequence_shards(module, tp_mesh)
+    for block in blocks:
         parallelize_module(block, tp_mesh, _block_plan(block))
         if block.symbol == "E":
-            _replicate_moe(block.moe, tp_mesh)
-        if block.symbol == "*" and getattr(block.attn, "sinks", None) is not None:
+            _replicate_over_sequence_shards(block.moe, tp_mesh)
+            block.moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
+        if block.symbol == "*" and block.attn.cfg.type == "mla":
+            _shard_mla(block.attn, tp_mesh)
+        elif block.symbol == "*" and block.attn.sinks is not None:
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks, tp_mesh, [Shard(0)]))
             use_local_parameters(block.attn, names=["sinks"])
     model.output_layer = VocabParallelOutput(tp_mesh)
@@ -59,7 +71,7 @@ def _block_plan(block: nn.Module) -> dict:
     )
 
     plan = {"norm": SequenceParallel(use_local_output=True)}
-    if block.symbol == "*":
+    if block.symbol == "*" and block.attn.cfg.type == "gqa":
         plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"attn.{name}"] = ColwiseParallel()
@@ -77,17 +89,46 @@ def _block_plan(block: nn.Module) -> dict:
     return plan
 
 
-def _replicate_moe(moe: nn.Module, tp_mesh) -> None:
-    """The MoE runs on this rank's sequence shard with replicated weights whose gradients sum over ``tp``."""
-    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+def _distribute_parameters(module: nn.Module, tp_mesh, placement) -> None:
+    from torch.distributed.tensor import distribute_tensor
 
-    for owner in list(moe.modules()):
+    for owner in list(module.modules()):
         for leaf, param in list(owner._parameters.items()):
             if param is not None:
-                replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
-                owner._parameters[leaf] = nn.Parameter(replicated, requires_grad=param.requires_grad)
-    use_local_parameters(moe, grad_placements=[Partial()])
-    moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
+                sharded = distribute_tensor(param.detach(), tp_mesh, [placement])
+                owner._parameters[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+
+
+def _replicate_over_sequence_shards(module: nn.Module, tp_mesh) -> None:
+    """``module`` runs on this rank's sequence shard with replicated weights whose gradients sum over ``tp``."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    _distribute_parameters(module, tp_mesh, Replicate())
+    use_local_parameters(module, grad_placements=[Partial()])
+
+
+def _shard_mla(attn: nn.Module, tp_mesh) -> None:
+    """Latent attention, Megatron-style: the sequence is gathered on entry; the low-rank down projections and
+    their norms are replicated (their gradients, partial per rank, are summed); the up projections are split
+    by heads and ``o_proj`` by its input rows, whose partial outputs are reduce-scattered back to sequence
+    shards."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if attn.o_proj.bias is not None:
+        raise ValueError("tensor parallelism of MLA with an output bias (attention.out_bias) is not supported")
+    group = tp_mesh.get_group()
+    for name in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"):
+        if hasattr(attn, name):
+            _distribute_parameters(getattr(attn, name), tp_mesh, Replicate())
+            use_local_parameters(getattr(attn, name), grad_placements=[Partial()])
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if hasattr(attn, name):
+            _distribute_parameters(getattr(attn, name), tp_mesh, Shard(0))
+            use_local_parameters(getattr(attn, name))
+    _distribute_parameters(attn.o_proj, tp_mesh, Shard(1))
+    use_local_parameters(attn.o_proj)
+    attn.register_forward_pre_hook(lambda module, args: (all_gather_autograd(args[0], 1, group), *args[1:]))
+    attn.register_forward_hook(lambda module, args, output: reduce_scatter_autograd(output, 1, group))
 
 
 def _average_aux_loss_over(group):

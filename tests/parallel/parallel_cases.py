@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
-from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims, parallelize
 from lightning_moe.parallel.context import shard_batch
@@ -31,7 +31,18 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7
 def tiny_config(name: str) -> ModelConfig:
     """``llama``: dense GQA. ``qwen3_moe``: qk-norm, a dense block then an MoE block. ``qwen3_moe_skewed``:
     the same with a selection bias that sends every token to experts 0 and 1. ``gpt_oss_like``: tied
-    embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias."""
+    embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias.
+    ``deepseek_like``: MLA, group-limited sigmoid routing with a shared expert, one MTP depth."""
+    if name == "deepseek_like":
+        return ModelConfig(
+            family="deepseek_v3", vocab_size=64, hidden_size=32, pattern="*-*E",
+            attention=AttentionConfig(type="mla", num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=4, v_head_dim=8),
+            mlp=MLPConfig(64),
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, score_func="sigmoid", n_group=2,
+                          topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=1),
+            mtp=MTPConfig(num_layers=1, pattern="*E", loss_scale=0.3), init_std=0.05,
+        )
     if name == "gpt_oss_like":
         return ModelConfig(
             family="llama", vocab_size=64, hidden_size=32, pattern="*-*-", tie_embeddings=True,
@@ -127,7 +138,8 @@ def train(model: torch.nn.Module, batches, dims: ParallelDims | None = None, opt
     for step in range(first_step, len(batches)):
         batch = local_batch(batches[step], dims) if dims is not None else batches[step]
         out = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
-        out.loss_sum.backward()
+        scale = model.config.mtp.loss_scale if model.config.mtp is not None else 0.0
+        (out.loss_sum + scale * sum(out.mtp_loss_sums, torch.zeros(()))).backward()
         totals = torch.stack([out.loss_sum.detach(), out.num_label_tokens.to(torch.float32)])
         if group is not None:
             dist.all_reduce(totals, group=group)

@@ -60,13 +60,13 @@ def test_dp_shard_takes_the_remaining_ranks():
     (dense(vocab_size=90), {"tp": 4}, r"tp=4 does not divide vocab_size=90; pad the vocabulary or use tp in"),
     (moe(num_experts=6), {"ep": 4}, r"ep=4 does not divide moe.num_experts=6; use ep in \[1, 2\]"),
     (dense(), {"ep": 2}, r"ep=2 but the model has no MoE layers; use ep=1"),
-    (dense(type="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4), {"tp": 2},
-     r"tp=2: tensor parallelism of MLA attention is not supported"),
+    (dense(type="mla", kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, out_bias=True),
+     {"tp": 2}, r"tp=2: tensor parallelism of MLA with attention.out_bias is not supported"),
     (dense(backend="te"), {"cp": 2}, r"cp=2: attention backend 'te' is not supported with context parallelism"),
     (ModelConfig(vocab_size=96, hidden_size=32, pattern="M-", mlp=MLPConfig(48), mamba=MambaConfig(num_heads=4)),
      {"cp": 2}, r"cp=2: context parallelism of Mamba-2 blocks is not supported"),
     (ModelConfig(vocab_size=96, hidden_size=32, pattern="*-", mlp=MLPConfig(48), mtp=MTPConfig(num_layers=1, pattern="*-")),
-     {"tp": 2}, r"tp=2: tensor parallelism with MTP heads is not supported"),
+     {"cp": 2}, r"cp=2: context parallelism with MTP heads is not supported"),
 ])
 def test_models_that_do_not_split(config, sizes, message):
     dims = ParallelDims(**sizes, world_size=sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("ep", 1))

@@ -1,6 +1,6 @@
 """Every parallel layout trains like one process.
 
-Five fp32 steps of tiny Llama-, Qwen3-MoE- and GPT-OSS-style models on packed global batches: per-step losses
+Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3- and GPT-OSS-style models on packed global batches: per-step losses
 equal the single-process run within 1e-5, gradient norms and first-step gradients match, and 2-way FSDP keeps
 at most 0.6x the single-process parameters + gradients + AdamW state per rank. Checkpoints saved on one mesh
 resume on another and continue the same loss curve. One launch per world size runs all its layouts.
@@ -21,7 +21,8 @@ def test_two_rank_layouts_match_single_process(tmp_path):
          {"activation_checkpointing": "full", "max_state_ratio": 0.6}),
         ("run_layout", ("tp+sp, qk-norm, MoE on sequence shards", "qwen3_moe", {"tp": 2}), {}),
         ("run_layout", ("tp+sp, tied output, biases, sinks, window", "gpt_oss_like", {"tp": 2}), {}),
-        ("run_layout", ("ep", "qwen3_moe", {"dp_shard": 2, "ep": 2}), {}),
+        ("run_layout", ("tp+sp, MLA, MTP", "deepseek_like", {"tp": 2}), {}),
+        ("run_layout", ("ep, MLA, shared expert, MoE in the MTP depth", "deepseek_like", {"dp_shard": 2, "ep": 2}), {}),
         ("run_layout", ("ep, every token to rank 0's experts", "qwen3_moe_skewed", {"dp_shard": 2, "ep": 2}), {}),
         ("run_layout", ("cp, packed rows", "llama", {"cp": 2}), {}),
         ("run_layout", ("cp, sinks and window", "gpt_oss_like", {"cp": 2}), {}),
