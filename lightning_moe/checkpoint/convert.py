@@ -124,7 +124,16 @@ def hub_quantization_config(family: Family, method: str, original: dict[str, Any
 def export_model(model: torch.nn.Module, out: str | Path, *, hf_config: dict[str, Any] | None = None,
                  dtype: torch.dtype | None = None, aux_dir: Path | None = None, overwrite: bool = False,
                  quantize: str | None = None) -> Path:
-    """An in-memory (unsharded) native model -> Hugging Face directory."""
+    """An in-memory (unsharded) native model -> Hugging Face directory. A transformers model of the generic path
+    (``HFModel``, possibly sharded) is written as ``save_pretrained`` writes it (``quantize`` does not apply)."""
+    from lightning_moe.models.hf import HFModel
+
+    if isinstance(model, HFModel):
+        from lightning_moe.checkpoint.hf_model import export_hf_model
+
+        if quantize is not None or hf_config is not None:
+            raise ValueError("export of a transformers (model.hf) model takes neither quantize nor hf_config")
+        return export_hf_model(model.hf, out, dtype=dtype, aux_dir=aux_dir or model.model_dir, overwrite=overwrite)
     state = model.state_dict()
     return export_hf_tensors(model.config, state.__getitem__, out, hf_config=hf_config, dtype=dtype,
                              aux_dir=aux_dir, overwrite=overwrite, quantize=quantize)

@@ -1,0 +1,170 @@
+"""The generic transformers path on one process: loading, the loss, packed rows, routing to native families,
+LoRA and FP8 converters, and bad input. References are transformers' own loading and forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_hf_models import VOCAB, batch, qwen3_next_config, save_tiny
+
+from lightning_moe.models.hf import HFModel, HFModelConfig, build_hf_model, hf_converters
+from lightning_moe.modules.causal_lm import CausalLM
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory):
+    return save_tiny(qwen3_next_config(), tmp_path_factory.mktemp("qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    import transformers as t
+
+    config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return save_tiny(config, tmp_path_factory.mktemp("qwen3"))
+
+
+def reference(directory):
+    import transformers as t
+
+    return t.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+def test_weights_stream_in_as_from_pretrained_loads_them(next_dir, tmp_path):
+    """Hub per-expert tensors are fused by transformers' own conversion; tensors transformers ignores (the
+    checkpoint's MTP head) are skipped; rotary buffers survive meta construction."""
+    import shutil
+
+    shutil.copytree(next_dir, tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(shard)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in tensors  # hub layout on disk
+    tensors["mtp.fc.weight"] = torch.ones(4, 4)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    model = build_hf_model(HFModelConfig(hf=str(tmp_path / "ckpt")))
+    expected = reference(next_dir)
+    ours, theirs = model.hf.state_dict(), expected.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    buffers = dict(expected.named_buffers())
+    for name, buffer in model.hf.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    assert set(model.layers) == {"hf.model.layers.0", "hf.model.layers.1"}
+
+
+def test_loss_sums_gradients_and_aux_loss_match_transformers(next_dir):
+    model = build_hf_model(HFModelConfig(hf=str(next_dir)))
+    expected = reference(next_dir)
+    data = batch()
+    assert model.fused_loss and model.packing_limitation is not None
+    out = model(data["input_ids"], labels=data["labels"])
+    ref = expected(data["input_ids"], use_cache=False)
+    # labels are pre-shifted: position t's logits against labels[t], summed
+    ref_sum = torch.nn.functional.cross_entropy(ref.logits.reshape(-1, VOCAB), data["labels"].reshape(-1),
+                                                ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(out.loss_sum, ref_sum, rtol=1e-5, atol=1e-5)
+    assert int(out.num_label_tokens) == int((data["labels"] != -100).sum())
+    torch.testing.assert_close(out.aux_loss, expected.router_aux_loss_coef * ref.aux_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model(data["input_ids"]), ref.logits, rtol=1e-5, atol=1e-6)
+
+    (out.loss_sum + out.aux_loss).backward()
+    (ref_sum + expected.router_aux_loss_coef * ref.aux_loss).backward()
+    grads = dict(expected.named_parameters())
+    for name, param in model.hf.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-4, atol=2e-5)
+
+
+def test_packed_rows_attention_model_and_refusal_for_linear_attention(qwen3_dir, next_dir):
+    """Attention models take packed rows (block-diagonal mask from restarting positions): the packed loss is the
+    sum of the separate sequences' losses. Linear attention would leak state: a clear error."""
+    dense = build_hf_model(HFModelConfig(hf=str(qwen3_dir), native="never"))
+    assert dense.packing_limitation is None
+    data = batch(rows=1, seq=20)
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    packed = dense(data["input_ids"], positions, labels=data["labels"]).loss_sum
+    first = dense(data["input_ids"][:, :12], labels=data["labels"][:, :12]).loss_sum
+    second = dense(data["input_ids"][:, 12:], labels=data["labels"][:, 12:]).loss_sum
+    torch.testing.assert_close(packed, first + second, rtol=1e-5, atol=1e-5)
+
+    hybrid = build_hf_model(HFModelConfig(hf=str(next_dir)))
+    with pytest.raises(ValueError, match="cannot train on packed rows.*linear_attention.*packing: none"):
+        hybrid(data["input_ids"], positions, labels=data["labels"])
+    padded = data["labels"].clone()
+    padded[:, 12:] = -100  # one sample and end padding (its own position run, no labels) is fine
+    hybrid(data["input_ids"], positions, labels=padded)
+
+
+def test_native_families_are_used_automatically(qwen3_dir, next_dir):
+    native = CausalLM(model=HFModelConfig(hf=str(qwen3_dir)))
+    assert native.resolved_config().family == "qwen3"
+    assert native.pretrained == str(qwen3_dir) and native.model_config is None
+    forced = CausalLM(model=HFModelConfig(hf=str(qwen3_dir), native="never"))
+    forced._route_hf()
+    assert isinstance(forced.model_config, HFModelConfig)
+    generic = CausalLM(model=HFModelConfig(hf=str(next_dir)))
+    generic._route_hf()
+    assert isinstance(generic.model_config, HFModelConfig)
+    with pytest.raises(ValueError, match="native=always but Qwen3NextForCausalLM has no native family"):
+        CausalLM(model=HFModelConfig(hf=str(next_dir), native="always"))._route_hf()
+    with pytest.raises(ValueError, match="drop `pretrained`"):
+        CausalLM(model=HFModelConfig(hf=str(next_dir)), pretrained=str(next_dir))
+
+
+def test_lora_and_fp8_converters_on_transformers_names(next_dir):
+    from lightning_moe.peft import LoraConfig, is_adapter_parameter
+    from lightning_moe.precision import Float8Config
+
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkvz"])
+    model = build_hf_model(HFModelConfig(hf=str(next_dir)), convert=hf_converters(peft=lora, freeze=None))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(is_adapter_parameter(n) for n in trainable)
+    assert any("linear_attn.in_proj_qkvz.lora_A" in n for n in trainable)
+    base = reference(next_dir)
+    # B starts at zero: the adapted model is the base model
+    data = batch()
+    torch.testing.assert_close(model(data["input_ids"]), base(data["input_ids"], use_cache=False).logits,
+                               rtol=1e-5, atol=1e-6)
+    fp8 = build_hf_model(HFModelConfig(hf=str(next_dir)),
+                         convert=hf_converters(fp8=Float8Config(recipe="tensorwise", min_dim=16)))
+    converted = [type(m).__name__ for m in fp8.hf.modules() if "Float8" in type(m).__name__]
+    assert converted, "no linear layer converted"
+    assert type(fp8.hf.lm_head).__name__ == "Linear"
+    loss = fp8(data["input_ids"], labels=data["labels"]).loss_sum
+    assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_remote_code_must_be_granted(tmp_path):
+    config = {"architectures": ["MyLMForCausalLM"], "model_type": "my_lm",
+              "auto_map": {"AutoConfig": "configuration_my_lm.MyLMConfig",
+                           "AutoModelForCausalLM": "modeling_my_lm.MyLMForCausalLM"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model_type 'my_lm' needs the checkpoint's own code .*"
+                                         r"set model.trust_remote_code: true"):
+        build_hf_model(HFModelConfig(hf=str(tmp_path)))
+
+
+def test_checkpoint_problems_are_named(next_dir, tmp_path):
+    import shutil
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_hf_model(HFModelConfig(hf=str(tmp_path / "missing")))
+    for case, edit in (("missing", lambda t: t.pop("model.norm.weight")),
+                       ("extra", lambda t: t.__setitem__("model.layers.0.bogus.weight", torch.ones(2)))):
+        directory = tmp_path / case
+        shutil.copytree(next_dir, directory)
+        tensors = load_file(directory / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        message = ("no tensor for model.norm.weight" if case == "missing"
+                   else "'model.layers.0.bogus.weight' has no counterpart in Qwen3NextForCausalLM")
+        with pytest.raises(ValueError, match=message):
+            build_hf_model(HFModelConfig(hf=str(directory)))
+    with pytest.raises(ValueError, match="model.native='sometimes'"):
+        HFModelConfig(hf=str(next_dir), native="sometimes")
+    assert isinstance(build_hf_model(HFModelConfig(hf=str(next_dir))), HFModel)

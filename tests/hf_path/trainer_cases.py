@@ -1,0 +1,71 @@
+"""Both sides of the Trainer-level generic-path tests: ``CausalLM(model=HFModelConfig(...))`` + ``MockDataModule``
+on one process (the reference) and under ``ParallelStrategy`` on externally launched gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from tiny_hf_models import VOCAB, batch
+
+from lightning_moe import ParallelStrategy
+from lightning_moe.checkpoint.convert import export_model
+from lightning_moe.checkpoint.hf_model import gathered_state_dict
+from lightning_moe.data import MockDataModule
+from lightning_moe.models.hf import HFModelConfig
+from lightning_moe.modules.causal_lm import CausalLM
+from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
+
+GLOBAL_ROWS, SEQ = 4, 16
+
+
+class StepLosses(Callback):
+    """The global loss of every optimizer step, as the training module reports it."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = pl_module.step_stats
+        if stats is not None:
+            self.losses[stats.step] = stats.loss
+
+
+def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, micro_batch_size: int = 2,
+        **module_options) -> tuple[list, CausalLM]:
+    """``sizes``: ParallelStrategy sizes on the launched ranks; None: one process, Lightning's default strategy.
+    Micro-batches of 2 rows: one per rank under 2-way FSDP, two accumulated ones on one process, so the
+    router load-balancing loss (a mean over each micro-batch's tokens) is computed on the same rows."""
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    losses = StepLosses()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=ParallelStrategy(**sizes) if sizes else "auto", max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[losses],
+    )
+    module = CausalLM(model=HFModelConfig(hf=model_dir), optimizer=OptimizerConfig(lr=1e-2),
+                      scheduler=SchedulerConfig(warmup_iters=0, decay_style="constant"), **module_options)
+    data = MockDataModule(seq_length=SEQ, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_ROWS,
+                          vocab_size=VOCAB, num_val_samples=0)
+    trainer.fit(module, datamodule=data)
+    return [losses.losses[s] for s in sorted(losses.losses)], module
+
+
+def fit_fsdp_and_export(model_dir: str, root: str) -> None:
+    """2-way FSDP with full activation checkpointing; then the export (collective, rank 0 writes), the gathered
+    weights and the logits of a fixed batch, for the test to compare with transformers."""
+    out = Path(root)
+    losses, module = fit(model_dir, root, {"dp_shard": 2, "activation_checkpointing": "full"})
+    export_model(module.model, out / "export")
+    state = gathered_state_dict(module.model.hf)
+    with torch.no_grad():
+        logits = module.model(batch()["input_ids"])
+    sharded = sum(1 for p in module.model.parameters() if type(p).__name__ == "DTensor")
+    if dist.get_rank() == 0:
+        torch.save({"state": state, "logits": logits}, out / "trained.pt")
+        (out / "losses.json").write_text(json.dumps({"losses": losses, "sharded_parameters": sharded}))
