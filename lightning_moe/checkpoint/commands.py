@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true")
 
     lora = sub.add_parser("export-lora", help="LoRA run checkpoint -> Hugging Face PEFT adapter and/or merged model")
-    lora.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) of a run with `peft` settings")
+    lora.add_argument("--ckpt", required=True,
+                      help="Lightning checkpoint of a run with `peft` settings (.ckpt file or distributed directory)")
     lora.add_argument("--adapter-out", default=None, help="output directory of the PEFT adapter")
     lora.add_argument("--merged-out", default=None, help="output directory of the merged Hugging Face model")
     lora.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")

@@ -13,19 +13,24 @@ import torch
 from torch import nn
 
 PREFIX = "model."
+# what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states
+LIGHTNING_METADATA = "meta.pt"
 
 
 def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
-    """The adapted model of a LoRA run's Lightning checkpoint (a ``.ckpt`` file), and the checkpoint source of
-    its base."""
+    """The adapted model of a LoRA run's Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint
+    directory), and the checkpoint source of its base."""
     from lightning_moe.checkpoint.load import copy_tensors_into
     from lightning_moe.checkpoint.source import open_checkpoint
     from lightning_moe.modules.causal_lm import build_decoder
 
     path = Path(ckpt).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not a Lightning checkpoint file")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if path.is_dir():
+        checkpoint = _read_distributed_checkpoint(path)
+    elif path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
     hparams = checkpoint.get("hyper_parameters") or {}
     if hparams.get("peft") is None:
         raise ValueError(f"{path}: the run has no `peft` settings, so it is not a LoRA run")
@@ -38,6 +43,22 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
     copy_tensors_into(model, state)
     return model.eval(), source
+
+
+def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
+    """A distributed (DCP) checkpoint directory as one dict: tensors from the shards, the rest from Lightning's
+    ``meta.pt``."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
+        raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "checkpoint.pt")
+        checkpoint = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)
+    checkpoint.update(torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True))
+    return checkpoint
 
 
 def export_lora_run(ckpt: str | Path, *, adapter_out: str | Path | None = None, merged_out: str | Path | None = None,

@@ -37,13 +37,25 @@ class Losses(Callback):
             self.steps.append((stats.step, stats.loss))
 
 
+class SavedAdapters(Callback):
+    """Whenever a checkpoint is written, rank 0 also saves the whole adapters, for the export test."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                for n, p in pl_module.model.named_parameters() if is_adapter_parameter(n)}
+        if trainer.global_rank == 0:
+            root = Path(trainer.default_root_dir)
+            root.mkdir(parents=True, exist_ok=True)
+            torch.save(full, root / f"adapters-step{trainer.global_step}.pt")
+
+
 def fit(base: str, root: Path, sizes: dict, converter: str, ckpt_path: str | None = None):
     losses = Losses()
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=ParallelStrategy(**sizes),
         max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        limit_val_batches=0, callbacks=[losses, ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=2,
-                                                                save_top_k=-1)],
+        limit_val_batches=0, callbacks=[losses, SavedAdapters(), ModelCheckpoint(dirpath=root / "ckpt",
+                                                                                 every_n_train_steps=2, save_top_k=-1)],
     )
     module = CausalLM(pretrained=base, optimizer=OptimizerConfig(lr=1e-2), **CONVERTERS[converter])
     data = MockDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=160, num_val_samples=0)
