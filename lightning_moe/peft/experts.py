@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.models.layers.moe import GroupedExperts
@@ -68,6 +69,10 @@ class ExpertLora(nn.Module):
 
     def forward(self, projection: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         a, b = self.factors(projection)
+        # grouped GEMMs need 16-byte aligned strides: zero-pad the rank (exact: padded ranks contribute 0)
+        pad = -a.shape[1] % (16 // a.element_size())
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
         low_rank = torch._grouped_mm(self.dropout(x).to(a.dtype), a.transpose(-2, -1), offs=offsets)
         delta = torch._grouped_mm(low_rank, b.transpose(-2, -1), offs=offsets)
         return (delta * self.scaling).to(x.dtype)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_hf import save_tiny
@@ -72,6 +74,26 @@ def test_lora_fit_checkpoint_resume_and_export(tmp_path):
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
     assert (ours - theirs).abs().max() <= 1e-4
     assert (ours - merged).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("precision,base_dtype", [("32-true", "bfloat16"), ("bf16-mixed", "bfloat16"),
+                                                  ("bf16-true", None)])
+def test_lora_trains_under_each_precision(tmp_path, precision, base_dtype):
+    """bf16 frozen base with fp32 adapters (plain or under autocast: fp32 master weights), or all bf16."""
+    base = save_tiny("qwen3_moe", tmp_path / "base")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, precision=precision, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, limit_val_batches=0)
+    lora = LoraConfig(r=4, target_experts=True, exclude_modules=["layers.1.mlp.*"], base_dtype=base_dtype)
+    module = CausalLM(pretrained=str(base), peft=lora, optimizer=OptimizerConfig(lr=1e-2))
+    trainer.fit(module, datamodule=MockDataModule(seq_length=16, micro_batch_size=2, vocab_size=160,
+                                                  num_val_samples=0))
+    params = dict(module.model.named_parameters())
+    adapter_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert params["layers.3.moe.experts.adapter.lora_A.gate_up"].dtype == adapter_dtype
+    assert params["layers.3.moe.experts.up_proj"].dtype == torch.bfloat16
+    assert math.isfinite(module.step_stats.loss)
+    assert params["layers.3.moe.experts.adapter.lora_B.gate_up"].abs().sum() > 0
 
 
 def test_export_lora_refuses_a_run_without_peft(tmp_path, capsys):

@@ -137,3 +137,29 @@ def test_bad_lora_settings_are_named():
         loop = Decoder(moe_mtp_config(backend="loop"))
     with pytest.raises(ValueError, match="expert adapters need backend 'grouped_mm'"):
         apply_lora(loop, LoraConfig(target_experts=True))
+
+
+@pytest.mark.parametrize("rank,dtype", [(3, torch.float32), (4, torch.bfloat16), (8, torch.float32)])
+def test_expert_adapter_equals_per_expert_low_rank_products(rank, dtype):
+    """The grouped-GEMM adapter (rank zero-padded for aligned strides) against x_e @ A_e^T @ B_e^T per expert."""
+    from lightning_moe.models.layers.moe import GroupedExperts
+    from lightning_moe.peft.experts import ExpertLora
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(MoEConfig(num_experts=3, intermediate_size=16), 32).to(dtype)
+    adapter = ExpertLora(experts, r=rank, alpha=2.0 * rank, dropout=0.0)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(11, 32).to(dtype)
+    counts = torch.tensor([4, 0, 7])
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    for projection, rows_in in (("gate_proj", x), ("up_proj", x), ("down_proj", torch.randn(11, 16).to(dtype))):
+        ours = adapter(projection, rows_in, offsets).float()
+        a, b = adapter.factors(projection)
+        expected = torch.cat([
+            2.0 * (rows.float() @ a[e].float().T @ b[e].float().T)
+            for e, rows in enumerate(torch.split(rows_in, counts.tolist()))
+        ])
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(ours, expected, atol=tol, rtol=tol), projection
