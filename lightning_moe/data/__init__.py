@@ -11,6 +11,7 @@ from lightning_moe.data.distributed import data_parallel_rank_and_size
 from lightning_moe.data.formats import IGNORE_INDEX, PRESETS, SampleFormat, shift_labels, tokenize_row
 from lightning_moe.data.gpt_sampling import BlendedDataset, GPTDataset, parse_blend, parse_split
 from lightning_moe.data.indexed import IndexedDataset, IndexedDatasetWriter, build_indexed_dataset_from_jsonl
+from lightning_moe.data.medpix import MedPixDataModule
 from lightning_moe.data.mock import MockDataModule, MockDataset
 from lightning_moe.data.packed_parquet import PackedDataset, write_packed_dataset
 from lightning_moe.data.packing import pack_first_fit_decreasing, pack_greedy, packing_stats
@@ -29,6 +30,7 @@ __all__ = [
     "GPTDataset",
     "IndexedDataset",
     "IndexedDatasetWriter",
+    "MedPixDataModule",
     "MockDataModule",
     "MockDataset",
     "PackedDataset",

@@ -1,6 +1,7 @@
-"""LightningModules: ``CausalLM`` (pretraining, SFT, LoRA)."""
+"""LightningModules: ``CausalLM`` (pretraining, SFT, LoRA), ``VisionLM`` (vision-language fine-tuning)."""
 
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
+from lightning_moe.modules.vision_lm import VisionLM
 
-__all__ = ["CausalLM", "OptimizerConfig", "SchedulerConfig"]
+__all__ = ["CausalLM", "OptimizerConfig", "SchedulerConfig", "VisionLM"]
