@@ -163,3 +163,36 @@ def test_expert_adapter_equals_per_expert_low_rank_products(rank, dtype):
         ])
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert torch.allclose(ours, expected, atol=tol, rtol=tol), projection
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_lora_over_an_fp8_base(recipe):
+    """FP8 converts first (the adapters stay in high precision), then LoRA wraps the FP8 layers."""
+    from lightning_moe.precision import Float8Config, apply_float8
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, pattern="*E",
+                      attention=AttentionConfig(num_heads=2, num_kv_heads=2, head_dim=32),
+                      moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=64))
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    report = apply_float8(model, Float8Config(recipe=recipe, min_dim=32))
+    apply_lora(model, LoraConfig(r=8, target_experts=True))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    reset_lora_parameters(model)
+    assert "layers.0.attn.q_proj" in report.converted
+    assert type(model.layers["0"].attn.q_proj.base_layer).__name__ in ("Float8Linear", "MXFP8Linear")
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_parameter(n)}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        out = model(ids, labels=torch.roll(ids, -1, 1))
+        loss = out.loss_sum / out.num_label_tokens
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(model.get_parameter(n).detach(), v) for n, v in base.items())
