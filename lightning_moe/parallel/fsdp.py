@@ -57,6 +57,16 @@ def apply_fsdp(
     # the root group holds the embedding, the final norm and the output weight, which the decoder reads
     # directly (not through a submodule call); it stays unsharded from forward to backward
     fully_shard(model, mesh=mesh, **{**options, "reshard_after_forward": False})
+    model.register_forward_hook(_reshard_without_backward)
+
+
+def _reshard_without_backward(model, args, output):
+    # after a forward without autograd (validation) no backward reshards the root: left gathered, the module
+    # would expose the gathered copies as its parameters, and an optimizer or checkpoint built from
+    # ``parameters()`` / ``state_dict()`` then would hold copies that the next step discards
+    if not torch.is_grad_enabled():
+        model.reshard()
+    return output
 
 
 def _divide_gradients_by(module, factor: int, mesh) -> None:

@@ -18,7 +18,7 @@ from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims, parallelize
-from lightning_moe.parallel.context import shard_batch
+from lightning_moe.parallel.context import load_balanced_indices, shard_batch
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 
 ROWS, SEQ, STEPS = 4, 16, 5
@@ -202,17 +202,35 @@ def build_dims(sizes: dict[str, int]) -> ParallelDims:
     return dims
 
 
+def compare_logits(case: str, reference: Decoder, model: Decoder, batch, dims: ParallelDims) -> list[str]:
+    """The logits path (no labels, no gradients): this rank's rows and sequence positions of the
+    single-process logits. Training continues afterwards, as after a validation loop."""
+    with torch.no_grad():
+        expected = reference(batch["input_ids"], batch["position_ids"])
+        local = local_batch(batch, dims)
+        got = model(local["input_ids"], local["position_ids"])
+    rows = ROWS // dims.dp_size
+    expected = expected[dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
+    if dims.cp > 1:
+        expected = expected[:, load_balanced_indices(SEQ, dims.cp, dims.mesh("cp").get_local_rank())]
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=GRAD_RTOL, atol=1e-6):
+        return [f"{case}: logits {tuple(got.shape)} differ from the single-process logits {tuple(expected.shape)}"]
+    return []
+
+
 def run_layout(case: str, model: str, sizes: dict[str, int], max_state_ratio: float | None = None,
                **options) -> list[str]:
-    """Train ``model`` with ``sizes`` and compare with the single-process run."""
+    """Train ``model`` with ``sizes`` and compare with the single-process run (and the logits before)."""
     dims = build_dims(sizes)
     state = initial_state(model)
     batches = global_batches(tiny_config(model).vocab_size)
     reference = Decoder(tiny_config(model))
     reference.load_state_dict(state)
+    parallel = parallel_model(model, dims, state, **options)
+    problems = compare_logits(case, reference, parallel, batches[0], dims)
     expected, _ = train(reference, batches)
-    got, _ = train(parallel_model(model, dims, state, **options), batches, dims)
-    problems = compare(case, expected, got)
+    got, _ = train(parallel, batches, dims)
+    problems += compare(case, expected, got)
     if model.endswith("skewed") and any(moe.tokens_per_expert[2:].sum() for moe in reference.moe_layers()):
         problems.append(f"{case}: the selection bias did not keep experts 2 and 3 (the second ep rank) idle")
     if max_state_ratio is not None:

@@ -42,21 +42,23 @@ def fit(sizes: dict, steps: int, root: Path, ckpt_path: str | None = None, check
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, max_steps=steps,
         logger=False, enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, limit_val_batches=0, gradient_clip_val=0.5,
+        enable_model_summary=False, default_root_dir=root, limit_val_batches=2, val_check_interval=2,
+        num_sanity_val_steps=1, gradient_clip_val=0.5,
         callbacks=callbacks,
     )
     module = CausalLM(model=tiny_config("qwen3_moe"), optimizer=OptimizerConfig(lr=3e-3),
                       scheduler=SchedulerConfig(warmup_iters=2))
     dp = ParallelDims(**sizes, world_size=int(os.environ["LOCAL_WORLD_SIZE"])).dp_size
     data = MockDataModule(seq_length=seq_length, micro_batch_size=GLOBAL_ROWS // dp, global_batch_size=GLOBAL_ROWS,
-                          vocab_size=64, num_val_samples=0)
+                          vocab_size=64, num_val_samples=GLOBAL_ROWS)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return recorder.steps, strategy
 
 
 def resume_on_another_mesh(directory: str) -> None:
     """Four steps with 2-way FSDP (checkpoints every two), then steps 3-4 again from the step-2 checkpoint
-    with 2-way tensor parallelism: the same losses and gradient norms."""
+    with 2-way tensor parallelism: the same losses and gradient norms. Both runs validate before training
+    and every two steps (forwards without backward in between training steps)."""
     root = Path(directory)
     full, fsdp = fit({"dp_shard": 2}, 4, root / "fsdp", checkpoint_every=2)
     assert fsdp.parallel_sizes == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}
