@@ -122,12 +122,10 @@ class CausalLM(L.LightningModule):
         self.seed = seed
         self.fp8, self.peft, self.freeze = fp8, peft, freeze
         if peft is not None:
-            from lightning_moe.peft import drop_frozen_parameters
+            from lightning_moe.peft import keep_checkpoints_adapter_only
 
-            # LoRA checkpoints hold no frozen weights (they come from ``pretrained`` on resume), also in
-            # distributed checkpoints, which load exactly the keys the state dict has
-            self.register_state_dict_post_hook(drop_frozen_parameters)
-            self.strict_loading = False
+            # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
+            keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
         self.step_stats: StepStats | None = None
         self._source = None

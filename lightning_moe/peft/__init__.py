@@ -6,8 +6,8 @@ from lightning_moe.peft.hf_adapter import export_hf_adapter, load_hf_adapter
 from lightning_moe.peft.lora import (
     LoraConfig,
     apply_lora,
-    drop_frozen_parameters,
     is_adapter_parameter,
+    keep_checkpoints_adapter_only,
     reset_lora_parameters,
 )
 from lightning_moe.peft.merge import export_merged_hf, merged_state_dict
@@ -15,11 +15,11 @@ from lightning_moe.peft.merge import export_merged_hf, merged_state_dict
 __all__ = [
     "LoraConfig",
     "apply_lora",
-    "drop_frozen_parameters",
     "export_hf_adapter",
     "export_merged_hf",
     "freeze_parameters",
     "is_adapter_parameter",
+    "keep_checkpoints_adapter_only",
     "load_hf_adapter",
     "merged_state_dict",
     "reset_lora_parameters",

@@ -70,12 +70,26 @@ def is_adapter_parameter(name: str) -> bool:
     return ".lora_" in name
 
 
-def drop_frozen_parameters(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    """State-dict post-hook: leave out frozen parameters, so a LoRA run's checkpoints (plain or distributed)
-    hold adapters and buffers only, and loading asks for nothing else."""
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            state_dict.pop(prefix + name, None)
+def keep_checkpoints_adapter_only(module: nn.Module) -> None:
+    """``module``'s state dict leaves out its frozen parameters, so a LoRA run's checkpoints (plain or
+    distributed, which load exactly the keys the state dict has) hold adapters and buffers only; loading one
+    does not ask for the frozen weights but stays strict about everything else."""
+    module.register_state_dict_post_hook(_drop_frozen)
+    module.register_load_state_dict_post_hook(_forgive_missing_frozen)
+
+
+def _frozen(module: nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if not param.requires_grad}
+
+
+def _drop_frozen(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for name in _frozen(module):
+        state_dict.pop(prefix + name, None)
+
+
+def _forgive_missing_frozen(module: nn.Module, incompatible_keys) -> None:
+    frozen = _frozen(module)
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in frozen]
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -61,6 +61,13 @@ def test_lora_fit_checkpoint_resume_and_export(tmp_path):
     for name, param in resumed.model.named_parameters():
         assert torch.allclose(param, params[name], atol=1e-6, rtol=0), name
 
+    # loading is strict about everything but the frozen weights: a checkpoint missing an adapter is refused
+    broken = torch.load(ckpt, map_location="cpu", weights_only=True)
+    del broken["state_dict"]["model.layers.0.attn.q_proj.lora_A.default.weight"]
+    torch.save(broken, tmp_path / "broken.ckpt")
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model\.layers\.0\.attn\.q_proj\.lora_A"):
+        fit(tmp_path / "broken", base, steps=4, ckpt_path=str(tmp_path / "broken.ckpt"))
+
     # the CLI writes the run's PEFT adapter and merged model; peft on transformers agrees with ours
     last = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
     assert convert_main(["export-lora", "--ckpt", str(last), "--adapter-out", str(tmp_path / "adapter"),
