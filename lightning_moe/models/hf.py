@@ -236,6 +236,8 @@ class HFModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.fused_loss = fused_output_layer(hf_model)
         self.packing_limitation = packing_limitation(hf_model)
+        # found before parallelism: FSDP renames the classes it wraps
+        self._unit_names = list(_layer_units(hf_model))
         self.model_dir: Path | None = None
 
     @property
@@ -244,7 +246,7 @@ class HFModel(nn.Module):
 
     @property
     def layers(self) -> dict[str, nn.Module]:
-        return {f"hf.{name}": module for name, module in _layer_units(self.hf).items()}
+        return {f"hf.{name}": self.hf.get_submodule(name) for name in self._unit_names}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, **inputs: Any) -> torch.Tensor | LossOutput:
