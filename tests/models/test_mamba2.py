@@ -128,13 +128,24 @@ def test_mixer_gradients_match_transformers():
 
 
 def test_packed_row_equals_each_sequence_alone():
+    """Outputs and gradients (input and every weight, the conv's included) of a packed row equal those of
+    transformers running each sequence alone."""
     theirs, ours = mixer_pair(seed=2)
     lengths = [3, 13, 1, 9]  # a 1-token sequence, starts inside and on chunk boundaries (chunk 8)
     parts = [torch.randn(1, n, 32) for n in lengths]
+    weights = [torch.randn(1, n, 32) for n in lengths]
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    packed = ours(torch.cat(parts, dim=1), SequenceLayout.from_inputs(position_ids, position_ids))
-    want = torch.cat([theirs(p) for p in parts], dim=1)
-    torch.testing.assert_close(packed, want, atol=1e-5, rtol=1e-5)
+    packed_in = torch.cat(parts, dim=1).requires_grad_()
+    packed = ours(packed_in, SequenceLayout.from_inputs(position_ids, position_ids))
+    (packed * torch.cat(weights, dim=1)).sum().backward()
+    alone_in = [p.clone().requires_grad_() for p in parts]
+    want = [theirs(p) for p in alone_in]
+    sum((w * y).sum() for w, y in zip(weights, want)).backward()
+    torch.testing.assert_close(packed, torch.cat(want, dim=1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_in.grad, torch.cat([p.grad for p in alone_in], dim=1), atol=1e-5, rtol=1e-5)
+    mine = dict(ours.named_parameters())
+    for name, p in theirs.named_parameters():
+        torch.testing.assert_close(mine[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_reset_parameters_follows_mamba_init():
