@@ -25,6 +25,20 @@ def qwen3_next_config(**overrides):
     return t.Qwen3NextConfig(**{**settings, **overrides})
 
 
+def kimi_linear_config(**overrides):
+    """Kimi-Linear: Kimi delta attention (linear) and MLA layers over a dense layer then MoE layers."""
+    import transformers as t
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=16, linear_head_dim=16, linear_num_heads=4, num_experts=4, num_experts_per_token=2,
+        moe_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return t.KimiLinearConfig(**{**settings, **overrides})
+
+
 def save_tiny(config, path: Path, seed: int = 0, std: float = 0.1) -> Path:
     """A random model of ``config`` written with ``save_pretrained`` (fp32)."""
     import transformers as t
