@@ -91,3 +91,22 @@ def test_force_balanced_routing_spreads_tokens_evenly():
     routing = router(torch.randn(10, 8))
     counts = torch.bincount(routing.experts.flatten(), minlength=4)
     assert counts.max() - counts.min() <= 1
+
+
+def test_balancing_state_survives_a_bf16_cast():
+    """precision=bf16-true casts every floating tensor of the module: counts and the selection bias must not
+    lose the small steps aux-free balancing relies on."""
+    from lightning_moe.models.layers.moe import update_expert_bias
+
+    moe = MoE(MoEConfig(num_experts=4, top_k=1, score_func="sigmoid", score_correction_bias=True,
+                        bias_update_rate=1e-3), hidden_size=8)
+    moe.reset_parameters()
+    moe.router.score_correction_bias.fill_(0.5)
+    moe.to(torch.bfloat16).train()
+    assert moe.router.score_correction_bias.dtype == torch.float32
+    assert moe.tokens_per_expert.dtype == torch.long
+    moe(torch.randn(300, 8, dtype=torch.bfloat16))
+    assert int(moe.tokens_per_expert.sum()) == 300
+    update_expert_bias(moe)
+    moved = moe.router.score_correction_bias - 0.5
+    assert moved.abs().max().item() == pytest.approx(1e-3, rel=1e-3)

@@ -47,6 +47,15 @@ class Router(nn.Module):
         if self.score_correction_bias is not None:
             nn.init.zeros_(self.score_correction_bias)
 
+    def _apply(self, fn, recurse=True):
+        # the selection bias moves by ~1e-3 per step: in bf16 (precision="bf16-true" casts every floating
+        # tensor) such steps round away, so it stays fp32 like the hub checkpoints store it
+        super()._apply(fn, recurse)
+        bias = self.score_correction_bias
+        if bias is not None and bias.is_floating_point() and bias.dtype != torch.float32:
+            self.score_correction_bias = bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
         bias = None if self.bias is None else self.bias.float()
@@ -198,7 +207,8 @@ class MoE(nn.Module):
         )
         self.dispatcher = TokenDispatcher()
         # tokens routed to each expert since the last bias update (aux-loss-free balancing)
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        # integer counts: a module-wide cast to bf16 (precision="bf16-true") would round them above 256
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False)
         self.aux_loss: torch.Tensor | None = None
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
@@ -219,9 +229,7 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(
-                    routing.experts.flatten(), minlength=self.cfg.num_experts
-                ).to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert += torch.bincount(routing.experts.flatten(), minlength=self.cfg.num_experts)
             if self.cfg.aux_loss_coeff > 0:
                 self.aux_loss = self.cfg.aux_loss_coeff * load_balancing_loss(
                     routing, self.cfg.num_experts, self.cfg.top_k, self.cfg.score_func
@@ -253,5 +261,5 @@ def update_expert_bias(model: nn.Module, process_group=None) -> None:
         rate = layer.cfg.bias_update_rate
         if rate > 0 and load.sum() > 0:
             bias = layer.router.score_correction_bias
-            bias += (rate * torch.sign(load.mean() - load)).to(bias.dtype)
+            bias += (rate * torch.sign(load.float().mean() - load)).to(bias.dtype)
         layer.tokens_per_expert.zero_()
