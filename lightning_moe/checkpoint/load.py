@@ -19,14 +19,14 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def assign_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
                    device: torch.device | str = "cpu") -> None:
-    """Replace meta parameters/buffers by checkpoint tensors (keeping their dtype unless ``dtype`` is given);
-    non-persistent buffers still on meta are running state and start at zero."""
+    """Replace meta parameters/buffers by checkpoint tensors (parameters take ``dtype`` when given, buffers keep
+    the checkpoint's dtype); non-persistent buffers still on meta are running state and start at zero."""
     for name, tensor in tensors:
         module, leaf = _owner(model, name)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
         tensor = tensor.to(device)
         if leaf in module._parameters:
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
         else:
             module._buffers[leaf] = tensor
