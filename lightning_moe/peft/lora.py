@@ -17,7 +17,6 @@ Modules under ``mtp.`` take part only with ``include_mtp``; stacked experts only
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -164,10 +163,16 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
     targets = select_targets(model, cfg)
     if targets.linears:
         import peft
+        from peft.tuners.lora import Linear as LoraLinear
 
-        regex = "^(?:" + "|".join(re.escape(n) for n in targets.linears) + ")$"
-        config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=regex)
-        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        # peft's LoRA layer on exactly the selected linears. (peft's own name matching would, on transformers 5
+        # MoE models, turn gate/up/down targets into expert targets and drop exclusions.)
+        config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout)
+        for name in targets.linears:
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = LoraLinear(getattr(parent, leaf), ADAPTER_NAME, config=config, r=cfg.r, lora_alpha=cfg.alpha)
+            setattr(parent, leaf, layer)
     for name in targets.experts:
         experts = model.get_submodule(name)
         if experts.cfg.backend != "grouped_mm":

@@ -196,3 +196,18 @@ def test_lora_over_an_fp8_base(recipe):
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert all(torch.equal(model.get_parameter(n).detach(), v) for n, v in base.items())
+
+
+def test_targets_on_a_transformers_moe_model_are_exactly_the_selected_ones():
+    """peft's own matching on transformers 5 MoE models turns gate/up/down targets into expert targets and
+    loses exclusions; apply_lora adapts exactly what it selected."""
+    import transformers
+    from tiny_hf import tiny_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    targets = apply_lora(model, LoraConfig(r=4, exclude_modules=["model.layers.1.self_attn.q_proj"]))
+    adapted = sorted({n.rsplit(".lora_", 1)[0] for n, _ in model.named_parameters() if ".lora_" in n})
+    assert adapted == sorted(targets.linears)
+    assert "model.layers.0.mlp.gate_proj" in adapted and "model.layers.1.self_attn.q_proj" not in adapted
+    assert not any("experts" in n for n in adapted)
