@@ -82,7 +82,6 @@ def _hf_module(weight_map: dict[str, TensorMap], native_module: str) -> str:
     return m.hf[0].removesuffix(".weight")
 
 
-
 def _hf_expert_parameter(weight_map: dict[str, TensorMap], hf_params: list[str], native: str, which: str) -> str:
     stacked = weight_map.get(f"{native}.down_proj")
     layer = re.match(r"^(.*?\.layers\.\d+)\.", stacked.hf[0]) if stacked is not None else None
@@ -119,7 +118,7 @@ def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None) ->
         raise ValueError("the model has no LoRA adapters (apply_lora was not called)")
     mtp = sorted(n for n in owners if n.startswith("mtp."))
     if mtp:
-        raise ValueError(f"adapters on {mtp[0]} (and {len(mtp) - 1} more mtp.* layers) have no counterpart in the "
+        raise ValueError(f"adapters on {len(mtp)} mtp.* layers ({mtp[0]}, ...) have no counterpart in the "
                          f"transformers model; export the merged model, or train without peft.include_mtp")
     config = model.config
     family = family_by_name(config.family)

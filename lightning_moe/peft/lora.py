@@ -150,6 +150,11 @@ def select_targets(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
         chosen_experts = [n for n in chosen_experts if not matches(n, pattern)]
     if not chosen and not chosen_experts:
         raise ValueError("peft: exclude_modules removes every target; nothing would be trained")
+    for name in chosen_experts:
+        backend = model.get_submodule(name).cfg.backend
+        if backend != "grouped_mm":
+            raise ValueError(f"peft.target_experts: {name} uses moe.backend={backend!r}; "
+                             f"expert adapters need backend 'grouped_mm'")
     return LoraTargets([n for n in linears if n in chosen], chosen_experts)
 
 
@@ -175,9 +180,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
             setattr(parent, leaf, layer)
     for name in targets.experts:
         experts = model.get_submodule(name)
-        if experts.cfg.backend != "grouped_mm":
-            raise ValueError(f"peft.target_experts: {name} uses moe.backend={experts.cfg.backend!r}; "
-                             f"expert adapters need backend 'grouped_mm'")
         experts.adapter = ExpertLora(experts, cfg.r, cfg.alpha, cfg.dropout)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_parameter(name))
