@@ -142,9 +142,11 @@ class Decoder(nn.Module):
         if labels is None:
             return self.output_layer.logits(final, self.output_weight)
         loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size)
-        out = LossOutput(loss_sum=loss_sum, num_label_tokens=count, aux_loss=self._collect_aux_loss())
+        out = LossOutput(loss_sum=loss_sum, num_label_tokens=count)
         if self.mtp is not None and self.config.mtp.enabled:
             out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self)
+        # after the MTP depths: their MoE layers' losses too, or they would linger into the next forward
+        out.aux_loss = self._collect_aux_loss()
         return out
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
