@@ -5,9 +5,10 @@ Recipes (``Float8Config.recipe``):
 * ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``: torchao's ``Float8Linear`` (dynamic current scaling) on
   linear layers. Expert GEMMs stay in high precision: torchao's FP8 grouped GEMM has no CPU path.
 * ``mxfp8``: block scaling (32 elements per E8M0 scale, e4m3 values) in forward and backward, for linear
-  layers (torchao's ``MXFP8Linear``) and for the grouped expert GEMMs (expert weights wrapped in torchao's
-  ``MXFP8TrainingWeightWrapperTensor``, which routes ``torch._grouped_mm`` to torchao's MXFP8 grouped GEMM;
-  its output is bf16).
+  layers (torchao's ``MXFP8Linear``, tokens zero-padded to whole 32-row blocks, which its weight gradient
+  scales along) and for the grouped expert GEMMs (expert weights wrapped in torchao's
+  ``MXFP8TrainingWeightWrapperTensor``, which routes ``torch._grouped_mm`` to torchao's MXFP8 grouped GEMM, with
+  each expert's tokens padded likewise; its output is bf16).
 
 ``emulate="auto"`` uses the hardware kernels on GPUs that have them (FP8: compute capability 8.9+, MXFP8: 10.0+)
 and torchao's emulation (quantize, dequantize, high-precision GEMM) elsewhere, so CPU runs train with the same
@@ -18,11 +19,13 @@ format's granularity (16 for FP8, 32 for MXFP8) are skipped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.models.layers.moe import GroupedExperts
@@ -33,6 +36,7 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MXFP8_RECIPES = ("mxfp8",)
 RECIPES = FLOAT8_RECIPES + MXFP8_RECIPES
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MX_BLOCK = 32  # elements per E8M0 scale
 OUTPUT_LAYER = "lm_head"
 
 
@@ -74,7 +78,7 @@ class Float8Config:
     @property
     def granularity(self) -> int:
         """Every GEMM dimension of a converted layer must be a multiple of this."""
-        return 32 if self.is_mx else 16
+        return MX_BLOCK if self.is_mx else 16
 
 
 @dataclass
@@ -189,9 +193,26 @@ def _float8_converter(cfg: Float8Config, emulate: bool):
     return convert
 
 
+@functools.cache
+def token_padded_mxfp8_linear() -> type[nn.Linear]:
+    """torchao's ``MXFP8Linear`` for any number of tokens (it needs a multiple of the 32-row scaling block)."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    class TokenPaddedMXFP8Linear(MXFP8Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            pad = -rows % MX_BLOCK
+            if not pad:
+                return super().forward(x)
+            # zero rows change no block's scale and no gradient
+            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))
+            return super().forward(padded)[:rows].reshape(*x.shape[:-1], -1)
+
+    return TokenPaddedMXFP8Linear
+
+
 def _mx_converter(cfg: Float8Config, emulate: bool):
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
-    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
@@ -220,7 +241,7 @@ def _mx_converter(cfg: Float8Config, emulate: bool):
             module.register_state_dict_post_hook(_unwrap_expert_weights)
             return
         weight = module.weight
-        mx = MXFP8Linear(
+        mx = token_padded_mxfp8_linear()(
             module.in_features, module.out_features, bias=module.bias is not None, device=weight.device,
             dtype=weight.dtype, kernel_preference=kernels, scale_calculation_mode=ScaleCalculationMode.RCEIL,
         )

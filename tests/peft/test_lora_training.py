@@ -182,7 +182,10 @@ def test_lora_over_an_fp8_base(recipe):
     model.init_weights()
     reset_lora_parameters(model)
     assert "layers.0.attn.q_proj" in report.converted
-    assert type(model.layers["0"].attn.q_proj.base_layer).__name__ in ("Float8Linear", "MXFP8Linear")
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+    assert isinstance(model.layers["0"].attn.q_proj.base_layer, (Float8Linear, MXFP8Linear))
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_parameter(n)}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))

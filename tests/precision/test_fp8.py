@@ -74,8 +74,8 @@ def test_emulated_recipe_trains_like_high_precision(recipe, reference_losses):
     model, report = build(Float8Config(recipe=recipe, min_dim=64))
     assert report.emulated
     linear_type = MXFP8Linear if recipe == "mxfp8" else Float8Linear
-    assert type(model.layers["0"].attn.q_proj) is linear_type
-    assert type(model.layers["1"].mlp.down_proj) is linear_type
+    assert isinstance(model.layers["0"].attn.q_proj, linear_type)
+    assert isinstance(model.layers["1"].mlp.down_proj, linear_type)
     # the output layer and the 32-wide k/v projections stay plain
     assert type(model.lm_head) is torch.nn.Linear and "lm_head" in report.skipped
     assert type(model.layers["0"].attn.k_proj) is torch.nn.Linear
@@ -159,3 +159,27 @@ def test_bad_fp8_settings_are_named():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="emulate=false .* needs a GPU"):
             apply_float8(model, Float8Config(min_dim=64, emulate=False))
+
+
+def test_mxfp8_linear_takes_any_number_of_tokens():
+    """torchao's MXFP8Linear needs whole 32-row blocks; ours pads with zero rows, which changes nothing else."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    reference = MXFP8Linear(64, 96, kernel_preference=KernelPreference.EMULATED,
+                            scale_calculation_mode=ScaleCalculationMode.RCEIL)
+    reference.load_state_dict(model[0].state_dict())
+    apply_float8(model, Float8Config(recipe="mxfp8", min_dim=32))
+    x = torch.randn(5, 10, 64)  # 50 tokens
+    padded = torch.cat([x.reshape(50, 64), torch.zeros(14, 64)]).requires_grad_()
+    x.requires_grad_()
+    grad = torch.randn(5, 10, 96)
+    model(x).backward(grad)
+    out = reference(padded)
+    out.backward(torch.cat([grad.reshape(50, 96), torch.zeros(14, 96)]))
+    assert torch.equal(model(x).detach().reshape(50, 96), out.detach()[:50])
+    assert torch.equal(x.grad.reshape(50, 64), padded.grad[:50])
+    assert torch.equal(model[0].weight.grad, reference.weight.grad)

@@ -49,7 +49,7 @@ def test_fp8_fit_checkpoint_and_resume(tmp_path, recipe):
 
     module, losses = fit(tmp_path, recipe, steps=4)
     q_proj = module.model.layers["0"].attn.q_proj
-    assert type(q_proj) is (MXFP8Linear if recipe == "mxfp8" else Float8Linear)
+    assert isinstance(q_proj, MXFP8Linear if recipe == "mxfp8" else Float8Linear)
     assert q_proj.weight.dtype == torch.bfloat16
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 

@@ -29,10 +29,12 @@ def quick(tmp_path: Path) -> list[str]:
 
 
 def test_fp8_recipe(tmp_path):
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
     run = cli("--config", str(CONFIGS / "fp8_moe.yaml"), *quick(tmp_path))
     assert run.model.fp8 == Float8Config(recipe="mxfp8", min_dim=64)
     run.trainer.fit(run.model, datamodule=run.datamodule)
-    assert type(run.model.model.layers["1"].mlp.up_proj).__name__ == "MXFP8Linear"
+    assert isinstance(run.model.model.layers["1"].mlp.up_proj, MXFP8Linear)
     assert run.model.step_stats.step == 2
 
 
