@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--overwrite", action="store_true")
 
     exp = sub.add_parser("export", help="native checkpoint -> Hugging Face directory")
-    exp.add_argument("--ckpt", required=True, help="checkpoint directory (imported or trained)")
+    exp.add_argument("--ckpt", required=True, help="checkpoint directory (imported or trained), or the Lightning "
+                     "checkpoint (.ckpt file or distributed directory) of a run with model: {hf: ...}")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
     exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
@@ -56,10 +58,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"imported {args.hf_path} -> {out}")
         elif args.action == "export":
-            out = convert.export_hf_checkpoint(
-                args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
-                overwrite=args.overwrite,
-            )
+            from lightning_moe.peft.run_export import LIGHTNING_METADATA
+
+            run = Path(args.ckpt)
+            if run.is_file() or (run / LIGHTNING_METADATA).is_file():  # a Lightning run checkpoint
+                from lightning_moe.checkpoint.hf_model import export_hf_run
+
+                out = export_hf_run(run, args.out, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
+            else:
+                out = convert.export_hf_checkpoint(
+                    args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
+                    overwrite=args.overwrite,
+                )
             print(f"exported {args.ckpt} -> {out}")
         elif args.action == "export-lora":
             from lightning_moe.peft.run_export import export_lora_run

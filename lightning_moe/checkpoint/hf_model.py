@@ -130,3 +130,33 @@ def export_hf_model(hf_model: nn.Module, out: str | Path, *, dtype: torch.dtype 
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
     return Path(out)
+
+
+def export_hf_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+                  overwrite: bool = False) -> Path:
+    """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``) from its Lightning
+    checkpoint (``.ckpt`` file or distributed directory) -> a Hugging Face directory. LoRA runs are exported
+    merged; their checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
+    from lightning_moe.models.hf import (
+        HFModelConfig,
+        build_hf_model,
+        hf_converters,
+        read_config_json,
+        resolve_model_dir,
+    )
+    from lightning_moe.peft.run_export import PREFIX, read_run_checkpoint
+
+    checkpoint = read_run_checkpoint(ckpt)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    cfg = hparams.get("model")
+    if not isinstance(cfg, HFModelConfig):
+        raise ValueError(f"{ckpt}: not a run of a transformers model (its `model` is {type(cfg).__name__}, "
+                         f"not {{hf: ...}}); native runs export with lightning-moe convert export/export-lora")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = read_config_json(resolve_model_dir(cfg)).get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    model = build_hf_model(cfg, task="causal-lm" if causal else "image-text-to-text",
+                           convert=hf_converters(peft=hparams.get("peft")), seed=hparams.get("seed", 0))
+    state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
+    copy_tensors_into(model, state)
+    return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)

@@ -25,12 +25,7 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     from lightning_moe.modules.causal_lm import build_decoder
 
     path = Path(ckpt).expanduser()
-    if path.is_dir():
-        checkpoint = _read_distributed_checkpoint(path)
-    elif path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
+    checkpoint = read_run_checkpoint(path)
     hparams = checkpoint.get("hyper_parameters") or {}
     if hparams.get("peft") is None:
         raise ValueError(f"{path}: the run has no `peft` settings, so it is not a LoRA run")
@@ -43,6 +38,16 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
     copy_tensors_into(model, state)
     return model.eval(), source
+
+
+def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint directory) as one dict on the CPU."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return _read_distributed_checkpoint(path)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
 
 
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:

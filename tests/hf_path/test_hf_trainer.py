@@ -35,6 +35,40 @@ def test_two_steps_single_process_and_fsdp_match_and_export_reloads(tmp_path):
     with torch.no_grad():
         logits = reloaded(batch()["input_ids"], use_cache=False).logits
     torch.testing.assert_close(logits, trained["logits"], rtol=1e-5, atol=1e-5)
+    # the run's distributed checkpoint exports to the same files
+    from lightning_moe.checkpoint.commands import main
+
+    checkpoint = next((root / "ckpt").glob("*step=2.ckpt"))
+    assert checkpoint.is_dir(), "expected a distributed (DCP) checkpoint directory"
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "from_run")]) == 0
+    from lightning_moe.checkpoint.convert import verify_hf_checkpoints
+
+    report = verify_hf_checkpoints(root / "export", tmp_path / "from_run")
+    assert report.ok and report.tensors > 0, report.summary()
     # the export holds the trained weights, not the starting ones
     start = t.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert not torch.equal(start["model.layers.1.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_path):
+    import transformers as t
+
+    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.peft import LoraConfig, merged_state_dict
+
+    model_dir = str(save_tiny(qwen3_next_config(), tmp_path / "qwen3_next"))
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "in_proj_qkvz", "shared_expert.up_proj"])
+    losses, module = trainer_cases.fit(model_dir, str(tmp_path / "run"), checkpoint=True, peft=lora)
+    assert len(losses) == 2
+    checkpoint = next((tmp_path / "run" / "ckpt").glob("*step=2.ckpt"))
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    assert saved and all(".lora_" in name for name in saved), "a LoRA checkpoint holds only the adapters"
+
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "merged")]) == 0
+    exported = t.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
+    merged = merged_state_dict(module.model.hf)
+    assert exported.keys() == merged.keys()
+    assert all(torch.equal(exported[k], merged[k]) for k in exported)
+    start = t.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert not torch.equal(exported["model.layers.1.self_attn.q_proj.weight"], start["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(exported["model.layers.1.self_attn.k_proj.weight"], start["model.layers.1.self_attn.k_proj.weight"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tiny_hf_models import VOCAB, batch
 
 from lightning_moe import ParallelStrategy
@@ -37,16 +37,20 @@ class StepLosses(Callback):
 
 
 def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, micro_batch_size: int = 2,
-        **module_options) -> tuple[list, CausalLM]:
+        checkpoint: bool = False, **module_options) -> tuple[list, CausalLM]:
     """``sizes``: ParallelStrategy sizes on the launched ranks; None: one process, Lightning's default strategy.
     Micro-batches of 2 rows: one per rank under 2-way FSDP, two accumulated ones on one process, so the
-    router load-balancing loss (a mean over each micro-batch's tokens) is computed on the same rows."""
+    router load-balancing loss (a mean over each micro-batch's tokens) is computed on the same rows.
+    ``checkpoint``: save the last step under ``root/ckpt``."""
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     losses = StepLosses()
+    callbacks = [losses]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=Path(root) / "ckpt", every_n_train_steps=steps, save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=ParallelStrategy(**sizes) if sizes else "auto", max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, limit_val_batches=0, gradient_clip_val=1.0, callbacks=[losses],
+        logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, limit_val_batches=0, gradient_clip_val=1.0, callbacks=callbacks,
     )
     module = CausalLM(model=HFModelConfig(hf=model_dir), optimizer=OptimizerConfig(lr=1e-2),
                       scheduler=SchedulerConfig(warmup_iters=0, decay_style="constant"), **module_options)
@@ -57,10 +61,11 @@ def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, mi
 
 
 def fit_fsdp_and_export(model_dir: str, root: str) -> None:
-    """2-way FSDP with full activation checkpointing; then the export (collective, rank 0 writes), the gathered
-    weights and the logits of a fixed batch, for the test to compare with transformers."""
+    """2-way FSDP with full activation checkpointing and a distributed checkpoint of the last step; then the
+    export (collective, rank 0 writes), the gathered weights and the logits of a fixed batch, for the test to
+    compare with transformers."""
     out = Path(root)
-    losses, module = fit(model_dir, root, {"dp_shard": 2, "activation_checkpointing": "full"})
+    losses, module = fit(model_dir, root, {"dp_shard": 2, "activation_checkpointing": "full"}, checkpoint=True)
     export_model(module.model, out / "export")
     state = gathered_state_dict(module.model.hf)
     with torch.no_grad():
