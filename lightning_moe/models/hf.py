@@ -47,8 +47,9 @@ class HFModelConfig:
             of mixed-precision training.
         attn_implementation: transformers attention backend (``sdpa``, ``flash_attention_2``, ``eager``, ...);
             default: transformers' choice.
-        native: ``auto`` trains architectures with a native family through the native decoder and the rest
-            through transformers; ``always`` requires a native family; ``never`` always uses transformers.
+        native: ``auto`` trains architectures with a native family through the native decoder (as
+            ``pretrained``; the options below then do not apply) and the rest through transformers;
+            ``always`` requires a native family; ``never`` always uses transformers.
         loss_chunk_size: tokens per chunk of the fused output-layer cross entropy.
     """
 
