@@ -172,3 +172,14 @@ def test_checkpoint_problems_are_named(next_dir, tmp_path):
     with pytest.raises(ValueError, match="model.native='sometimes'"):
         HFModelConfig(hf=str(next_dir), native="sometimes")
     assert isinstance(build_hf_model(HFModelConfig(hf=str(next_dir))), HFModel)
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 2}, {"cp": 2}, {"dp_shard": 2, "ep": 2}])
+def test_parallel_sizes_the_generic_path_does_not_split_are_refused(next_dir, sizes):
+    from lightning_moe.parallel import ParallelDims
+    from lightning_moe.parallel.hf import check_hf_model
+
+    model = HFModel(build_hf_model(HFModelConfig(hf=str(next_dir))).hf)
+    key = next(k for k in ("tp", "cp", "ep") if k in sizes)
+    with pytest.raises(ValueError, match=rf"{key}=2: Qwen3NextForCausalLM runs through transformers .* use {key}=1"):
+        check_hf_model(ParallelDims(**sizes, world_size=2), model)
