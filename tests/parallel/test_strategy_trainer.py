@@ -4,11 +4,11 @@ FSDP resumes with 2-way tensor parallelism and continues with the same losses an
 from __future__ import annotations
 
 import pytest
-import trainer_cases
+import strategy_trainer_cases
 from distributed_harness import run_distributed_test
 
 pytestmark = pytest.mark.distributed
 
 
 def test_fsdp_checkpoint_resumes_with_tensor_parallelism(tmp_path):
-    run_distributed_test(trainer_cases.resume_on_another_mesh, 2, str(tmp_path), init_process_group=False)
+    run_distributed_test(strategy_trainer_cases.resume_on_another_mesh, 2, str(tmp_path), init_process_group=False)
