@@ -1,0 +1,161 @@
+"""Every GPU recipe parses through LightningCLI (``--print_config``), reproduces its published row's workload
+(GPU count, batch sizes, sequence length), fits its parallel sizes to its GPUs, model and data with the
+strategy's own checks, and, where it spells out an architecture, equals that model's hub config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from recipe_files import CONFIGS, HUB_CONFIGS, PUBLISHED_ROWS, ROOT, full_recipes, header, load_yaml, resolved
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.families import family_for_hf_config
+from lightning_moe.parallel.dims import SIZE_NAMES, ParallelDims
+
+RECIPES = full_recipes()
+HUB = load_yaml(HUB_CONFIGS)
+ROWS = load_yaml(PUBLISHED_ROWS)["rows"]
+
+
+@functools.cache
+def recipe_config(recipe: str) -> dict:
+    return resolved(recipe)
+
+
+def gpus(cfg: dict) -> int:
+    return cfg["trainer"]["num_nodes"] * cfg["trainer"]["devices"]
+
+
+def parallel_dims(cfg: dict) -> ParallelDims:
+    strategy = cfg["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_moe.ParallelStrategy", "GPU recipes name their parallel sizes"
+    args = strategy["init_args"]
+    return ParallelDims(**{name: args[name] for name in SIZE_NAMES}, world_size=gpus(cfg))
+
+
+def hub_model_config(hub_id: str) -> ModelConfig | None:
+    """The native ModelConfig of a hub checkpoint, or None for architectures without a native family."""
+    entry = HUB.get(hub_id)
+    if entry is None:
+        return None
+    return family_for_hf_config(entry["config"]).from_hf_config(entry["config"])
+
+
+def data_module(cfg: dict):
+    module_name, _, class_name = cfg["data"]["class_path"].rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)(**cfg["data"]["init_args"])
+
+
+def test_the_recipes_are_found():
+    assert len(RECIPES) >= 30
+    assert {r.split("/")[0] for r in RECIPES} >= {"nemotron_h", "deepseek_v3", "qwen3_moe", "gpt_oss", "llama", "qwen2"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_reproduces_its_published_row(recipe):
+    cfg, fields = recipe_config(recipe), header(recipe)
+    assert "Row" in fields and "Hardware" in fields and "CPU twin" in fields, "header names row, hardware and twin"
+    row = ROWS[fields["Row"]]
+    assert row["recipe"] == f"configs/{recipe}"
+    assert gpus(cfg) == row["gpus"]
+    nodes, devices = cfg["trainer"]["num_nodes"], cfg["trainer"]["devices"]
+    assert fields["Hardware"].startswith(f"{nodes} node{'s' if nodes > 1 else ''} x {devices} {row['gpu']}")
+    data = cfg["data"]["init_args"]
+    assert data["global_batch_size"] == row["global_batch_size"]
+    assert data["micro_batch_size"] == row["micro_batch_size"]
+    assert data.get("seq_length") or data.get("packed_sequence_size") == row["seq_length"]
+    assert (ROOT / fields["CPU twin"]).is_file()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
+    cfg = recipe_config(recipe)
+    dims = parallel_dims(cfg)
+    model = cfg["model"]["init_args"]["model"]
+    if "hf" in model:
+        config = hub_model_config(model["hf"])
+        if config is None:  # the generic transformers path
+            from lightning_moe.parallel.hf import check_hf_model
+
+            check_hf_model(dims, SimpleNamespace(hf=model["hf"], layers={"0": None}))
+        else:
+            dims.check_model(config)
+    else:
+        dims.check_model(ModelConfig.from_dict(model))
+    data = data_module(cfg)
+    dims.check_data_module(data)
+    data.trainer = SimpleNamespace(strategy=SimpleNamespace(data_parallel_rank=0, data_parallel_size=dims.dp_size))
+    data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
+
+
+# knobs a recipe chooses for its workload, not part of the architecture
+TRAINING_CHOICES = {"moe": ("force_balanced", "backend", "bias_update_rate", "aux_loss_coeff"),
+                    "attention": ("backend",)}
+
+
+def architecture(config: ModelConfig, mtp) -> ModelConfig:
+    changes = {"mtp": mtp, "loss_chunk_size": 1024, "init_std": 0.02}
+    for sub, names in TRAINING_CHOICES.items():
+        if getattr(config, sub) is not None:
+            changes[sub] = dataclasses.replace(getattr(config, sub), **dict.fromkeys(names, None))
+    return dataclasses.replace(config, **changes)
+
+
+ARCHITECTURE_RECIPES = [r for r in RECIPES if "Architecture" in header(r)]
+
+
+@pytest.mark.parametrize("recipe", ARCHITECTURE_RECIPES)
+def test_spelled_out_model_is_the_hub_architecture(recipe):
+    ours = ModelConfig.from_dict(recipe_config(recipe)["model"]["init_args"]["model"])
+    hub = hub_model_config(header(recipe)["Architecture"])
+    assert architecture(ours, ours.mtp) == architecture(hub, ours.mtp)
+    if ours.mtp is not None and hub.mtp is not None:
+        assert ours.mtp.pattern == hub.mtp.pattern
+
+
+@pytest.mark.parametrize("hub_id", sorted(HUB))
+def test_hub_config_transcription_builds_the_published_model_size(hub_id):
+    """Parameters (and persistent buffers such as expert biases, which checkpoints store) vs the model card."""
+    from lightning_moe.models.decoder import Decoder
+
+    entry = HUB[hub_id]
+    config = hub_model_config(hub_id)
+    if not entry.get("with_mtp"):
+        config.mtp = None
+    with torch.device("meta"):
+        count = sum(t.numel() for t in Decoder(config).state_dict().values())
+    if isinstance(entry["total_params"], int):
+        assert count == entry["total_params"]
+    else:
+        assert count == pytest.approx(entry["total_params"], rel=0.02)
+
+
+def test_every_published_row_has_its_recipe():
+    for row_id, row in ROWS.items():
+        assert (ROOT / row["recipe"]).is_file(), row_id
+        assert header(row["recipe"].removeprefix("configs/"))["Row"] == row_id
+
+
+def test_benchmark_recipes_measure_after_warmup_and_name_their_row():
+    benchmarks = [r for r in RECIPES if r.endswith("benchmark.yaml")]
+    assert len(benchmarks) >= 20
+    for recipe in benchmarks:
+        callbacks = {c["class_path"].rsplit(".", 1)[-1]: c["init_args"]
+                     for c in recipe_config(recipe)["trainer"]["callbacks"]}
+        assert callbacks["Throughput"]["warmup_steps"] > 0, recipe
+        assert callbacks["RunCard"]["name"] == header(recipe)["Row"], recipe
+        model = recipe_config(recipe)["model"]["init_args"]["model"]
+        if model.get("moe"):
+            assert model["moe"]["force_balanced"], f"{recipe}: benchmarks route tokens evenly"
+
+
+def test_configs_readme_maps_every_recipe_to_its_twin():
+    readme = (CONFIGS / "README.md").read_text()
+    for recipe in RECIPES:
+        assert f"`{recipe}`" in readme
+        assert f"`{header(recipe)['CPU twin'].removeprefix('configs/')}`" in readme
