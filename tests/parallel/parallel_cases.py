@@ -32,8 +32,9 @@ def tiny_config(name: str) -> ModelConfig:
     """``llama``: dense GQA. ``qwen3_moe``: qk-norm, a dense block then an MoE block. ``qwen3_moe_skewed``:
     the same with a selection bias that sends every token to experts 0 and 1. ``gpt_oss_like``: tied
     embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias.
-    ``deepseek_like``: MLA, group-limited sigmoid routing with a shared expert, one MTP depth."""
-    if name == "deepseek_like":
+    ``deepseek_like``: MLA, group-limited sigmoid routing with a shared expert, one MTP depth; ``mla_moe``:
+    the same without MTP (context parallelism does not split MTP heads)."""
+    if name in ("deepseek_like", "mla_moe"):
         return ModelConfig(
             family="deepseek_v3", vocab_size=64, hidden_size=32, pattern="*-*E",
             attention=AttentionConfig(type="mla", num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -41,7 +42,8 @@ def tiny_config(name: str) -> ModelConfig:
             mlp=MLPConfig(64),
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, score_func="sigmoid", n_group=2,
                           topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=1),
-            mtp=MTPConfig(num_layers=1, pattern="*E", loss_scale=0.3), init_std=0.05,
+            mtp=MTPConfig(num_layers=1, pattern="*E", loss_scale=0.3) if name == "deepseek_like" else None,
+            init_std=0.05,
         )
     if name == "gpt_oss_like":
         return ModelConfig(

@@ -26,6 +26,7 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("ep, every token to rank 0's experts", "qwen3_moe_skewed", {"dp_shard": 2, "ep": 2}), {}),
         ("run_layout", ("cp, packed rows", "llama", {"cp": 2}), {}),
         ("run_layout", ("cp, sinks and window", "gpt_oss_like", {"cp": 2}), {}),
+        ("run_layout", ("cp, MLA", "mla_moe", {"cp": 2}), {}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
                          str(tmp_path / "fsdp-to-tp")), {}),
     ]
@@ -38,6 +39,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("fsdp x ep", "qwen3_moe", {"dp_shard": 4, "ep": 2}), {}),
         ("run_layout", ("tp x cp, selective activation checkpointing", "qwen3_moe", {"tp": 2, "cp": 2}),
          {"activation_checkpointing": "selective", "activation_checkpointing_every": 2}),
+        ("run_layout", ("tp x cp, MLA", "mla_moe", {"tp": 2, "cp": 2}), {}),
         ("run_layout", ("hsdp x ep", "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {}),
         ("run_layout", ("ep over dp_shard x cp", "qwen3_moe", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
