@@ -270,7 +270,12 @@ class HFModel(nn.Module):
             head = self.hf.get_output_embeddings()
             with output_layer_inputs(head) as hidden:
                 out = self.hf(**kwargs)
-            loss_sum, count = linear_cross_entropy(hidden[-1], head.weight, labels, self.loss_chunk_size)
+            if type(head.weight).__name__ == "DTensor":  # vocabulary split over tensor-parallel ranks
+                from lightning_moe.parallel.hf import vocab_parallel_loss
+
+                loss_sum, count = vocab_parallel_loss(hidden[-1], head.weight, labels, self.loss_chunk_size)
+            else:
+                loss_sum, count = linear_cross_entropy(hidden[-1], head.weight, labels, self.loss_chunk_size)
         return LossOutput(loss_sum=loss_sum, num_label_tokens=count, aux_loss=self._aux_loss(out))
 
     def _aux_loss(self, out: Any) -> torch.Tensor | None:

@@ -256,8 +256,9 @@ class CausalLM(L.LightningModule):
         # undo the mean over reducing ranks and Lightning's 1/accumulate, divide by the global label count
         factor = self._reduction_size() * self.trainer.accumulate_grad_batches / max(label_tokens, 1.0)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
+        # one fused call per kind: a transformers model under tensor parallelism mixes DTensor and plain gradients
+        for kind in {type(g) for g in grads}:
+            torch._foreach_mul_([g for g in grads if type(g) is kind], factor)
         loss = step["loss_sum"] / max(label_tokens, 1.0)
         self.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
         if "aux_loss" in step:

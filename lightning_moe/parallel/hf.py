@@ -1,11 +1,14 @@
 """``parallelize_hf``: the package's parallelism applied to a transformers model (``models/hf.py``'s ``HFModel``).
 
-The same helpers as for the native decoder, driven by the model's repeated blocks (``HFModel.layers``: decoder
-layers, and vision blocks of vision-language models): activation checkpointing per block, then FSDP2/HSDP
-``fully_shard`` per block and on the root, whose group keeps the embeddings, final norm, output layer and
-whatever is not a block (e.g. a vision projector). Context and expert parallelism need native modules (the
-load-balanced sequence split, the expert dispatcher); tensor parallelism of transformers models is not
-wired up: all three are refused before anything is built.
+Tensor parallelism follows the model's own ``tp_plan`` with transformers' DTensor styles (column-wise and
+row-wise linears, vocabulary-split embedding and output layer, per-head norms whose gradients are summed);
+the output layer's cross entropy stays fused and becomes vocabulary-parallel. Then the same helpers as for the
+native decoder, driven by the model's repeated blocks (``HFModel.layers``: decoder layers, and vision blocks of
+vision-language models): activation checkpointing per block, and FSDP2/HSDP ``fully_shard`` per block and on
+the root, whose group keeps the embeddings, final norm, output layer and whatever is not a block (e.g. a vision
+projector). Refused before anything is built: context and expert parallelism (they need the native modules'
+sequence split and expert dispatcher), tensor parallelism together with FSDP, and plans with styles whose
+weights are not plain row or column slices (packed or expert layouts).
 """
 
 from __future__ import annotations
@@ -16,18 +19,73 @@ from torch import nn
 from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
 
+# transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
+# them by DTensor placement) and whose gradients come out complete
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
+
 
 def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
     """Raise a one-line message for the parallel sizes the generic path does not support."""
     name = type(model.hf).__name__
-    for key in ("tp", "cp", "ep"):
+    for key in ("cp", "ep"):
         size = getattr(dims, key)
         if size > 1:
-            raise ValueError(f"{key}={size}: {name} runs through transformers (model.hf), where only data parallelism "
-                             f"(FSDP2/HSDP) and activation checkpointing apply; use {key}=1, or a natively "
-                             f"supported architecture")
+            raise ValueError(f"{key}={size}: {name} runs through transformers (model.hf), where data parallelism "
+                             f"(FSDP2/HSDP), its own tensor-parallel plan and activation checkpointing apply; use "
+                             f"{key}=1, or a natively supported architecture")
+    if dims.tp > 1:
+        if dims.fsdp_enabled:
+            raise ValueError(f"tp={dims.tp} with {dims.dp_cp_size} data-parallel ranks: {name} runs through "
+                             f"transformers, where tensor parallelism is not combined with FSDP; use tp=1 (FSDP "
+                             f"only) or a world of tp ranks")
+        tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
         raise ValueError(f"{name}: no repeated blocks found to shard (no _no_split_modules and no ModuleList)")
+
+
+def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:
+    """The model's ``tp_plan`` with layer numbers filled in, one entry per module and per parameter it shards."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    name = type(hf_model).__name__
+    plan = dict(getattr(hf_model, "tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"tp={tp}: {name} has no tensor-parallel plan (tp_plan); use tp=1")
+    unsupported = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unsupported:
+        raise ValueError(f"tp={tp}: {name}'s tp_plan uses {', '.join(unsupported)}, which the generic path does "
+                         f"not split (supported: {', '.join(TP_STYLES)}); use tp=1")
+    text = hf_model.config.get_text_config()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, key, None)
+        if heads is not None and heads % tp:
+            raise ValueError(f"tp={tp} does not divide {key}={heads} of {name}; use a tp that divides it")
+    expanded = {}
+    for module_name, module in hf_model.named_modules():
+        style = plan.get(replace_layer_number_by_wildcard(module_name))
+        if style is None:
+            continue
+        for param_name, _ in module.named_parameters(recurse=False):
+            expanded[f"{module_name}.{param_name}"] = style
+        expanded[module_name] = style
+    return expanded
+
+
+def vocab_parallel_loss(hidden: torch.Tensor, weight, labels: torch.Tensor,
+                        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused cross entropy of replicated ``hidden`` against an output weight split by vocabulary rows (a DTensor):
+    local logits, all-reduced softmax statistics; each rank's ``hidden`` gradient covers its rows only, so the
+    backward sums them over the tensor-parallel ranks."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lightning_moe.models.layers.loss import linear_cross_entropy
+
+    mesh = weight.device_mesh
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return linear_cross_entropy(hidden, weight.to_local(), labels, chunk_size, vocab_group=mesh.get_group(),
+                                vocab_start=offset[0])
 
 
 def parallelize_hf(
@@ -41,9 +99,13 @@ def parallelize_hf(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Split ``model`` (an ``HFModel`` on the meta device, after converters) over the data-parallel meshes of
-    ``dims``; the options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
+    """Split ``model`` (an ``HFModel`` on the meta device, after converters) over the meshes of ``dims``; the
+    options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
     check_hf_model(dims, model)
+    if dims.tp > 1:
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
     apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         from lightning_moe.parallel.fsdp import apply_fsdp

@@ -174,12 +174,17 @@ def test_checkpoint_problems_are_named(next_dir, tmp_path):
     assert isinstance(build_hf_model(HFModelConfig(hf=str(next_dir))), HFModel)
 
 
-@pytest.mark.parametrize("sizes", [{"tp": 2}, {"cp": 2}, {"dp_shard": 2, "ep": 2}])
-def test_parallel_sizes_the_generic_path_does_not_split_are_refused(next_dir, sizes):
+@pytest.mark.parametrize("sizes, message", [
+    ({"cp": 2}, r"cp=2: Qwen3NextForCausalLM runs through transformers .* use cp=1"),
+    ({"dp_shard": 2, "ep": 2}, r"ep=2: Qwen3NextForCausalLM runs through transformers .* use ep=1"),
+    ({"tp": 2}, r"tp=2: Qwen3NextForCausalLM's tp_plan uses moe_tp_experts, packed_colwise, which the generic "
+                r"path does not split .* use tp=1"),
+    ({"tp": 2, "dp_shard": 2}, r"tp=2 with 2 data-parallel ranks: .* not combined with FSDP"),
+])
+def test_parallel_layouts_the_generic_path_does_not_split_are_refused(next_dir, sizes, message):
     from lightning_moe.parallel import ParallelDims
     from lightning_moe.parallel.hf import check_hf_model
 
     model = HFModel(build_hf_model(HFModelConfig(hf=str(next_dir))).hf)
-    key = next(k for k in ("tp", "cp", "ep") if k in sizes)
-    with pytest.raises(ValueError, match=rf"{key}=2: Qwen3NextForCausalLM runs through transformers .* use {key}=1"):
-        check_hf_model(ParallelDims(**sizes, world_size=2), model)
+    with pytest.raises(ValueError, match=message):
+        check_hf_model(ParallelDims(**sizes, world_size=4 if len(sizes) == 2 and "tp" in sizes else 2), model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import trainer_cases
 from distributed_harness import run_distributed_test
-from tiny_hf_models import batch, qwen3_next_config, save_tiny
+from tiny_hf_models import VOCAB, batch, qwen3_next_config, save_tiny
 
 
 @pytest.mark.distributed
@@ -72,3 +72,20 @@ def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_pat
     start = t.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     assert not torch.equal(exported["model.layers.1.self_attn.q_proj.weight"], start["model.layers.1.self_attn.q_proj.weight"])
     assert torch.equal(exported["model.layers.1.self_attn.k_proj.weight"], start["model.layers.1.self_attn.k_proj.weight"])
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path):
+    import transformers as t
+
+    config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model_dir = str(save_tiny(config, tmp_path / "qwen3"))
+    single, _ = trainer_cases.fit(model_dir, str(tmp_path / "single"), native="never")
+    root = tmp_path / "tp"
+    root.mkdir()
+    run_distributed_test(trainer_cases.fit_tensor_parallel, 2, model_dir, str(root), init_process_group=False)
+    record = json.loads((root / "losses.json").read_text())
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.down_proj.weight"} <= set(record["sharded"])
+    assert record["losses"] == pytest.approx(single, abs=1e-5)

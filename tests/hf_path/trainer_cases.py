@@ -37,7 +37,7 @@ class StepLosses(Callback):
 
 
 def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, micro_batch_size: int = 2,
-        checkpoint: bool = False, **module_options) -> tuple[list, CausalLM]:
+        checkpoint: bool = False, native: str = "auto", **module_options) -> tuple[list, CausalLM]:
     """``sizes``: ParallelStrategy sizes on the launched ranks; None: one process, Lightning's default strategy.
     Micro-batches of 2 rows: one per rank under 2-way FSDP, two accumulated ones on one process, so the
     router load-balancing loss (a mean over each micro-batch's tokens) is computed on the same rows.
@@ -52,7 +52,7 @@ def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, mi
         logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, limit_val_batches=0, gradient_clip_val=1.0, callbacks=callbacks,
     )
-    module = CausalLM(model=HFModelConfig(hf=model_dir), optimizer=OptimizerConfig(lr=1e-2),
+    module = CausalLM(model=HFModelConfig(hf=model_dir, native=native), optimizer=OptimizerConfig(lr=1e-2),
                       scheduler=SchedulerConfig(warmup_iters=0, decay_style="constant"), **module_options)
     data = MockDataModule(seq_length=SEQ, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_ROWS,
                           vocab_size=VOCAB, num_val_samples=0)
@@ -74,3 +74,11 @@ def fit_fsdp_and_export(model_dir: str, root: str) -> None:
     if dist.get_rank() == 0:
         torch.save({"state": state, "logits": logits}, out / "trained.pt")
         (out / "losses.json").write_text(json.dumps({"losses": losses, "sharded_parameters": sharded}))
+
+
+def fit_tensor_parallel(model_dir: str, root: str) -> None:
+    """2-way tensor parallelism with the model's own tp_plan (a dense model forced through transformers)."""
+    losses, module = fit(model_dir, root, {"tp": 2}, native="never")
+    sharded = {n for n, p in module.model.hf.named_parameters() if type(p).__name__ == "DTensor"}
+    if dist.get_rank() == 0:
+        (Path(root) / "losses.json").write_text(json.dumps({"losses": losses, "sharded": sorted(sharded)}))
