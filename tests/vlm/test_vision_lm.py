@@ -25,9 +25,12 @@ def medpix(vlm_dir, **options):
     return MedPixDataModule(processor=str(vlm_dir), dataset=str(SAMPLE / "train.jsonl"), **options)
 
 
-def test_packed_loss_equals_transformers_on_each_sample(vlm_dir):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_packed_loss_equals_transformers_on_each_sample(family, vlm_dir, tmp_path):
     import transformers as t
 
+    if family == "qwen3_vl":
+        vlm_dir = save_tiny_vlm(tmp_path, family="qwen3_vl")
     module = VisionLM(model=HFModelConfig(hf=str(vlm_dir)))
     module.model = build_hf_model(module.model_config, task="image-text-to-text")
     data = medpix(vlm_dir, packing="ffd", packed_sequence_size=256, micro_batch_size=1)
@@ -36,7 +39,7 @@ def test_packed_loss_equals_transformers_on_each_sample(vlm_dir):
     assert len(batch["image_grid_thw"]) >= 3, "want a row packing several samples"
     out, _ = module._loss_output(batch)
 
-    reference = t.Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32)
+    reference = t.AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
     expected, grids = torch.zeros(()), iter(batch["image_grid_thw"])
     positions = batch["position_ids"][0]
     starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]

@@ -23,6 +23,7 @@ CHAT_TEMPLATE = (
 
 
 def save_tokenizer_and_image_processor(path: Path, patch_size: int = 14):
+    """``patch_size``: 14 for Qwen2-VL / Qwen2.5-VL, 16 for Qwen3-VL."""
     import transformers as t
 
     tokenizer = t.AutoTokenizer.from_pretrained(REPO / "data" / "tokenizer")
@@ -31,7 +32,9 @@ def save_tokenizer_and_image_processor(path: Path, patch_size: int = 14):
     tokenizer.save_pretrained(path)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=84 * 84, patch_size=patch_size)
+    side = 2 * patch_size  # one merged token at least, six at most
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=side * side, max_pixels=9 * side * side,
+                                               patch_size=patch_size)
     image_processor.save_pretrained(path)
     return tokenizer
 
@@ -54,12 +57,35 @@ def vlm_config(tokenizer, **overrides):
     return t.Qwen2_5_VLConfig(**{**settings, **overrides})
 
 
-def save_tiny_vlm(path: Path, seed: int = 0, **config_overrides) -> Path:
+def qwen3_vl_config(tokenizer):
+    """Qwen3-VL: 16-pixel patches, learned vision position embeddings, deepstack features merged into the first
+    text layers, interleaved multimodal rotary sections."""
     import transformers as t
 
-    tokenizer = save_tokenizer_and_image_processor(path)
+    base = vlm_config(tokenizer)
+    text = dict(vocab_size=4160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True},
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=base.text_config.eos_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])
+    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return t.Qwen3VLConfig(text_config=text, vision_config=vision, **{k: getattr(base, k) for k in ids})
+
+
+def save_tiny_vlm(path: Path, seed: int = 0, family: str = "qwen2_5_vl", **config_overrides) -> Path:
+    """A random ``family`` model (``qwen2_5_vl`` or ``qwen3_vl``) with its tokenizer and image processor."""
+    import transformers as t
+
+    tokenizer = save_tokenizer_and_image_processor(path, patch_size=16 if family == "qwen3_vl" else 14)
     torch.manual_seed(seed)
-    model = t.Qwen2_5_VLForConditionalGeneration(vlm_config(tokenizer, **config_overrides)).float()
+    if family == "qwen3_vl":
+        model = t.Qwen3VLForConditionalGeneration(qwen3_vl_config(tokenizer)).float()
+    else:
+        model = t.Qwen2_5_VLForConditionalGeneration(vlm_config(tokenizer, **config_overrides)).float()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.05)
