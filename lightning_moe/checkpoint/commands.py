@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -23,13 +22,17 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--hf-path", required=True, help="Hugging Face model directory (config.json + safetensors)")
     imp.add_argument("--out", required=True, help="output directory")
     imp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
+    imp.add_argument("--dequantize-dtype", choices=sorted(DTYPES), default="bfloat16",
+                     help="dtype of quantized hub weights (FP8 blocks, MXFP4) after import")
     imp.add_argument("--overwrite", action="store_true")
 
-    exp = sub.add_parser("export", help="native checkpoint -> Hugging Face directory")
-    exp.add_argument("--ckpt", required=True, help="checkpoint directory (imported or trained), or the Lightning "
-                     "checkpoint (.ckpt file or distributed directory) of a run with model: {hf: ...}")
+    exp = sub.add_parser("export", help="native checkpoint or training run -> Hugging Face directory")
+    exp.add_argument("--ckpt", required=True, help="an imported checkpoint directory, or a run's Lightning checkpoint "
+                     "(.ckpt file or distributed directory: native, LoRA (exported merged) or model: {hf: ...})")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    exp.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
+                     help="write the hub's quantized layout (DeepSeek-V3 block FP8, GPT-OSS MXFP4 experts)")
     exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
     exp.add_argument("--overwrite", action="store_true")
 
@@ -54,21 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "import":
             out = convert.import_hf_checkpoint(
-                args.hf_path, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite
+                args.hf_path, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                dequantize_dtype=DTYPES[args.dequantize_dtype],
             )
             print(f"imported {args.hf_path} -> {out}")
         elif args.action == "export":
-            from lightning_moe.peft.run_export import LIGHTNING_METADATA
+            from lightning_moe.checkpoint.run import export_run, is_run_checkpoint
 
-            run = Path(args.ckpt)
-            if run.is_file() or (run / LIGHTNING_METADATA).is_file():  # a Lightning run checkpoint
-                from lightning_moe.checkpoint.hf_model import export_hf_run
-
-                out = export_hf_run(run, args.out, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
+            if is_run_checkpoint(args.ckpt):
+                out = export_run(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), quantize=args.quantize,
+                                 overwrite=args.overwrite)
             else:
                 out = convert.export_hf_checkpoint(
                     args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
-                    overwrite=args.overwrite,
+                    overwrite=args.overwrite, quantize=args.quantize,
                 )
             print(f"exported {args.ckpt} -> {out}")
         elif args.action == "export-lora":

@@ -137,6 +137,7 @@ def export_hf_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | Non
     """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``) from its Lightning
     checkpoint (``.ckpt`` file or distributed directory) -> a Hugging Face directory. LoRA runs are exported
     merged; their checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
+    from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint
     from lightning_moe.models.hf import (
         HFModelConfig,
         build_hf_model,
@@ -144,7 +145,6 @@ def export_hf_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | Non
         read_config_json,
         resolve_model_dir,
     )
-    from lightning_moe.peft.run_export import PREFIX, read_run_checkpoint
 
     checkpoint = read_run_checkpoint(ckpt)
     hparams = checkpoint.get("hyper_parameters") or {}

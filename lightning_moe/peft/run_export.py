@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-PREFIX = "model."
-# what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states
-LIGHTNING_METADATA = "meta.pt"
+from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint
 
 
 def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
@@ -38,32 +36,6 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
     copy_tensors_into(model, state)
     return model.eval(), source
-
-
-def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint directory) as one dict on the CPU."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        return _read_distributed_checkpoint(path)
-    if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
-
-
-def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
-    """A distributed (DCP) checkpoint directory as one dict: tensors from the shards, the rest from Lightning's
-    ``meta.pt``."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
-        raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "checkpoint.pt")
-        checkpoint = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)
-    checkpoint.update(torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True))
-    return checkpoint
 
 
 def export_lora_run(ckpt: str | Path, *, adapter_out: str | Path | None = None, merged_out: str | Path | None = None,

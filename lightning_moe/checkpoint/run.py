@@ -1,0 +1,86 @@
+"""A training run's Lightning checkpoint (``.ckpt`` file or distributed directory) read back on one process, and
+exported as a Hugging Face model.
+
+Native full fine-tuning and pretraining runs hold every weight; they export through the family weight map
+(with the original hub ``config.json`` when the run started from ``pretrained``). LoRA runs export merged
+(their checkpoints hold adapters only), transformers-path runs through ``save_pretrained``'s layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PREFIX = "model."
+# what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states
+LIGHTNING_METADATA = "meta.pt"
+
+
+def is_run_checkpoint(path: str | Path) -> bool:
+    path = Path(path).expanduser()
+    return path.is_file() or (path / LIGHTNING_METADATA).is_file()
+
+
+def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint directory) as one dict on the CPU."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return _read_distributed_checkpoint(path)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
+
+
+def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
+    """A distributed (DCP) checkpoint directory as one dict: tensors from the shards, the rest from Lightning's
+    ``meta.pt``."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
+        raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "checkpoint.pt")
+        checkpoint = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)
+    checkpoint.update(torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True))
+    return checkpoint
+
+
+
+def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, quantize: str | None = None,
+               overwrite: bool = False) -> Path:
+    """The model of a ``CausalLM`` run (native, LoRA or transformers path) -> a Hugging Face directory."""
+    from lightning_moe.models.hf import HFModelConfig
+
+    checkpoint = read_run_checkpoint(ckpt)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if isinstance(hparams.get("model"), HFModelConfig):
+        from lightning_moe.checkpoint.hf_model import export_hf_run
+
+        return export_hf_run(ckpt, out, dtype=dtype, overwrite=overwrite)
+    if hparams.get("peft") is not None:
+        from lightning_moe.peft.run_export import export_lora_run
+
+        return export_lora_run(ckpt, merged_out=out, dtype=dtype, overwrite=overwrite)[0]
+    return _export_native_run(ckpt, checkpoint, hparams, out, dtype=dtype, quantize=quantize, overwrite=overwrite)
+
+
+def _export_native_run(ckpt, checkpoint: dict[str, Any], hparams: dict[str, Any], out, **options) -> Path:
+    from lightning_moe.checkpoint.convert import export_hf_tensors
+    from lightning_moe.checkpoint.source import expected_tensors, open_checkpoint
+
+    source = open_checkpoint(Path(hparams["pretrained"]).expanduser()) if hparams.get("pretrained") else None
+    config = hparams.get("model") or (source.config if source is not None else None)
+    if config is None:
+        raise ValueError(f"{ckpt}: the run names neither `model` nor `pretrained`; cannot tell its architecture")
+    state = {n.removeprefix(PREFIX): t for n, t in checkpoint["state_dict"].items() if n.startswith(PREFIX)}
+    missing = sorted(set(expected_tensors(config)) - set(state))
+    if missing:
+        raise ValueError(f"{ckpt}: the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
+    return export_hf_tensors(
+        config, state.__getitem__, out, hf_config=getattr(source, "hf_config", None),
+        aux_dir=getattr(source, "directory", None), **options,
+    )
