@@ -47,6 +47,8 @@ def parallelize(
     if dims.tp > 1:
         from lightning_moe.parallel.tensor import apply_tensor_parallel
 
+        refuse_converted_layers(model, f"tp={dims.tp}")
+
         apply_tensor_parallel(model, dims.mesh("tp"))
     if dims.ep > 1:
         from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
@@ -72,3 +74,16 @@ def parallelize(
 
         sum_partial_gradients(model)
     return model
+
+
+def refuse_converted_layers(model: nn.Module, what: str) -> None:
+    """The tensor-parallel plans split plain ``nn.Linear`` weights; LoRA-wrapped and FP8/MXFP8 linears need plans
+    of their own, so they are refused here rather than failing inside DTensor."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if hasattr(module, "base_layer") or kind.startswith(("Float8", "MX")):
+            converter = "LoRA" if hasattr(module, "base_layer") else "FP8/MXFP8"
+            raise ValueError(
+                f"{what}: tensor parallelism of {converter} layers ({name}: {kind}) is not supported; "
+                f"use tp=1 with FSDP (dp_shard) and expert parallelism (ep) instead"
+            )
