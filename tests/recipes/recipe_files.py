@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import re
+import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 
@@ -39,13 +42,16 @@ def header(recipe: str) -> dict[str, str]:
     return fields
 
 
-def resolved(recipe: str | Path, *overrides: str) -> dict[str, Any]:
-    """The recipe as LightningCLI resolves it (``fit --print_config``): every default filled in, types checked."""
+@functools.cache
+def resolved(recipe: str) -> dict[str, Any]:
+    """The recipe (relative to configs/) as LightningCLI resolves it (``fit --print_config``): every default filled
+    in, types checked. Cached: callers must not modify it."""
     from lightning_moe.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
-        main(["fit", "--config", str(CONFIGS / recipe), *overrides, "--print_config"])
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.suppress(SystemExit), \
+            mock.patch.object(sys, "argv", ["lightning-moe"]):  # LightningCLI reads args, not pytest's command line
+        main(["fit", "--config", str(CONFIGS / recipe), "--print_config"])
     if not out.getvalue().strip():
         raise AssertionError(f"{recipe} does not parse: {err.getvalue()[-2000:]}")
     return yaml.safe_load(out.getvalue())

@@ -5,7 +5,6 @@ strategy's own checks, and, where it spells out an architecture, equals that mod
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 from types import SimpleNamespace
 
@@ -20,11 +19,6 @@ from lightning_moe.parallel.dims import SIZE_NAMES, ParallelDims
 RECIPES = full_recipes()
 HUB = load_yaml(HUB_CONFIGS)
 ROWS = load_yaml(PUBLISHED_ROWS)["rows"]
-
-
-@functools.cache
-def recipe_config(recipe: str) -> dict:
-    return resolved(recipe)
 
 
 def gpus(cfg: dict) -> int:
@@ -58,7 +52,7 @@ def test_the_recipes_are_found():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_reproduces_its_published_row(recipe):
-    cfg, fields = recipe_config(recipe), header(recipe)
+    cfg, fields = resolved(recipe), header(recipe)
     assert "Row" in fields and "Hardware" in fields and "CPU twin" in fields, "header names row, hardware and twin"
     row = ROWS[fields["Row"]]
     assert row["recipe"] == f"configs/{recipe}"
@@ -74,7 +68,7 @@ def test_recipe_reproduces_its_published_row(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
-    cfg = recipe_config(recipe)
+    cfg = resolved(recipe)
     dims = parallel_dims(cfg)
     model = cfg["model"]["init_args"]["model"]
     if "hf" in model:
@@ -111,7 +105,7 @@ ARCHITECTURE_RECIPES = [r for r in RECIPES if "Architecture" in header(r)]
 
 @pytest.mark.parametrize("recipe", ARCHITECTURE_RECIPES)
 def test_spelled_out_model_is_the_hub_architecture(recipe):
-    ours = ModelConfig.from_dict(recipe_config(recipe)["model"]["init_args"]["model"])
+    ours = ModelConfig.from_dict(resolved(recipe)["model"]["init_args"]["model"])
     hub = hub_model_config(header(recipe)["Architecture"])
     assert architecture(ours, ours.mtp) == architecture(hub, ours.mtp)
     if ours.mtp is not None and hub.mtp is not None:
@@ -146,10 +140,10 @@ def test_benchmark_recipes_measure_after_warmup_and_name_their_row():
     assert len(benchmarks) >= 20
     for recipe in benchmarks:
         callbacks = {c["class_path"].rsplit(".", 1)[-1]: c["init_args"]
-                     for c in recipe_config(recipe)["trainer"]["callbacks"]}
+                     for c in resolved(recipe)["trainer"]["callbacks"]}
         assert callbacks["Throughput"]["warmup_steps"] > 0, recipe
         assert callbacks["RunCard"]["name"] == header(recipe)["Row"], recipe
-        model = recipe_config(recipe)["model"]["init_args"]["model"]
+        model = resolved(recipe)["model"]["init_args"]["model"]
         if model.get("moe"):
             assert model["moe"]["force_balanced"], f"{recipe}: benchmarks route tokens evenly"
 
