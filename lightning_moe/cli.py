@@ -7,6 +7,7 @@
     lightning-moe convert verify --reference DIR --candidate DIR
     lightning-moe data pack|index ...
     lightning-moe report RUN_DIR
+    lightning-moe slurm --config recipe.yaml [--nodes N --gpus-per-node G ...] [--dry-run | --submit]
 """
 
 from __future__ import annotations

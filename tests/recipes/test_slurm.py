@@ -1,0 +1,106 @@
+"""``lightning-moe slurm``: rendered scripts pass ``bash -n`` and launch one ``lightning-moe fit`` task per GPU with
+Lightning's SLURM settings; only ``--submit`` calls sbatch; a requeued job resumes; bad sizes fail before writing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from recipe_files import CONFIGS
+
+from lightning_moe.cli import main
+
+RECIPE = str(CONFIGS / "qwen3_moe" / "qwen3_moe_30b_benchmark.yaml")  # 1 node x 8 GPUs, EP 8
+
+
+def render(capsys, *args: str) -> str:
+    assert main(["slurm", "--config", RECIPE, "--dry-run", *args]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_rendered_script_is_valid_bash_with_one_task_per_gpu(capsys, tmp_path, nodes):
+    script = render(capsys, "--nodes", str(nodes), "--partition", "batch", "--account", "proj", "--time", "01:30:00",
+                    "--", "--trainer.max_steps", "40")
+    (tmp_path / "job.sh").write_text(script)
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sh")], check=True)
+    for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --time=01:30:00",
+                 "#SBATCH --partition=batch", "#SBATCH --account=proj",
+                 "#SBATCH --output=runs/qwen3_moe_30b_benchmark/logs/%x-%j.out",
+                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'export MASTER_PORT="${MASTER_PORT:-'):
+        assert line in script
+    assert "srun --kill-on-bad-exit=1" in script
+    assert f"lightning-moe fit --config {RECIPE}" in script
+    assert f"--trainer.num_nodes {nodes} --trainer.devices 8" in script
+    assert script.rstrip().endswith("--trainer.max_steps 40")
+    assert "SLURM_NTASKS" in script and "SLURM_PROCID" in script  # how SLURMEnvironment finds the layout
+
+
+def test_environment_is_a_container_or_a_venv(capsys):
+    script = render(capsys, "--container-image", "nvcr.io/nvidia/pytorch:25.11-py3", "--container-mounts", "/data:/data")
+    assert "srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.11-py3" in script
+    assert "--container-mounts=/data:/data" in script
+    assert "source /opt/venv/bin/activate" in render(capsys, "--venv", "/opt/venv")
+
+
+def fake_commands(directory: Path, *names: str) -> dict[str, str]:
+    """Executables that record their arguments in ``<name>.args`` (and print something sbatch-like)."""
+    directory.mkdir(exist_ok=True)
+    for name in names:
+        path = directory / name
+        path.write_text(f'#!/bin/bash\necho "$@" > {directory / name}.args\necho "Submitted batch job 42"\n')
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{directory}:{os.environ['PATH']}"}
+
+
+def test_only_submit_calls_sbatch(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("PATH", fake_commands(tmp_path / "bin", "sbatch")["PATH"])
+    run_dir = tmp_path / "run"
+    assert main(["slurm", "--config", RECIPE, "--run-dir", str(run_dir)]) == 0
+    assert (run_dir / "sbatch.sh").is_file() and (run_dir / "logs").is_dir()
+    assert not (tmp_path / "bin" / "sbatch.args").exists()
+    assert main(["slurm", "--config", RECIPE, "--run-dir", str(run_dir), "--submit"]) == 0
+    assert (tmp_path / "bin" / "sbatch.args").read_text().split() == [str(run_dir / "sbatch.sh")]
+    assert "Submitted batch job" in capfd.readouterr().out
+
+
+def run_script(tmp_path: Path, run_dir: Path) -> list[str]:
+    """Run the rendered script with a fake srun; returns the srun arguments."""
+    env = fake_commands(tmp_path / "bin", "srun")
+    env.update(SLURM_JOB_ID="1234", SLURM_CPUS_PER_TASK="16")
+    script = run_dir / "sbatch.sh"
+    subprocess.run(["bash", str(script)], check=True, env=env, cwd=tmp_path)
+    return (tmp_path / "bin" / "srun.args").read_text().split()
+
+
+def test_script_resumes_from_the_hpc_checkpoint_or_the_last_periodic_one(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["slurm", "--config", RECIPE, "--run-dir", str(run_dir)]) == 0
+    args = run_script(tmp_path, run_dir)
+    assert args[:4] == ["--kill-on-bad-exit=1", "lightning-moe", "fit", "--config"]
+    assert "--ckpt_path" not in args  # a first run starts fresh
+    last = run_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    last.mkdir(parents=True)  # distributed checkpoints are directories
+    args = run_script(tmp_path, run_dir)
+    assert args[args.index("--ckpt_path") + 1] == str(last)
+    (run_dir / "hpc_ckpt_1.ckpt").mkdir()  # written on SIGUSR1: Lightning restores it without --ckpt_path
+    assert "--ckpt_path" not in run_script(tmp_path, run_dir)
+
+
+def test_sizes_that_do_not_fit_the_gpus_fail_before_writing(tmp_path, capsys):
+    assert main(["slurm", "--config", RECIPE, "--gpus-per-node", "3", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "ep=8 does not divide" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert main(["slurm", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such recipe" in capsys.readouterr().err
+
+
+def test_every_recipe_renders_for_its_own_gpus(capsys):
+    from recipe_files import full_recipes
+
+    for recipe in full_recipes():
+        assert main(["slurm", "--config", str(CONFIGS / recipe), "--dry-run"]) == 0, recipe
+    capsys.readouterr()
