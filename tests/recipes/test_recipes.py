@@ -71,20 +71,35 @@ def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
     cfg = resolved(recipe)
     dims = parallel_dims(cfg)
     model = cfg["model"]["init_args"]["model"]
-    if "hf" in model:
-        config = hub_model_config(model["hf"])
-        if config is None:  # the generic transformers path
-            from lightning_moe.parallel.hf import check_hf_model
+    config = hub_model_config(model["hf"]) if "hf" in model else ModelConfig.from_dict(model)
+    if config is None:  # the generic transformers path
+        from lightning_moe.parallel.hf import check_hf_model
 
-            check_hf_model(dims, SimpleNamespace(hf=model["hf"], layers={"0": None}))
-        else:
-            dims.check_model(config)
+        check_hf_model(dims, SimpleNamespace(hf=model["hf"], layers={"0": None}))
     else:
-        dims.check_model(ModelConfig.from_dict(model))
+        dims.check_model(config)
+        if dims.tp > 1:
+            check_converters_under_tp(config, cfg["model"]["init_args"], dims)
     data = data_module(cfg)
     dims.check_data_module(data)
     data.trainer = SimpleNamespace(strategy=SimpleNamespace(data_parallel_rank=0, data_parallel_size=dims.dp_size))
     data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
+
+
+def check_converters_under_tp(config: ModelConfig, module_args: dict, dims: ParallelDims) -> None:
+    """The strategy's refusal of LoRA / FP8 layers under tensor parallelism, on the converted meta model."""
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.parallel.parallelize import refuse_converted_layers
+    from lightning_moe.peft import LoraConfig, apply_lora
+    from lightning_moe.precision import Float8Config, apply_float8
+
+    with torch.device("meta"):
+        model = Decoder(config)
+    if module_args.get("fp8"):
+        apply_float8(model, Float8Config(**module_args["fp8"]))
+    if module_args.get("peft"):
+        apply_lora(model, LoraConfig(**module_args["peft"]))
+    refuse_converted_layers(model, f"tp={dims.tp}")
 
 
 # knobs a recipe chooses for its workload, not part of the architecture
