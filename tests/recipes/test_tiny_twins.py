@@ -28,6 +28,7 @@ def structure(cfg: dict) -> dict:
         "fp8": (args.get("fp8") or {}).get("recipe"),
         "data": (cfg["data"]["class_path"], data.get("preset"), data.get("packing")),
         "strategy": cfg["trainer"]["strategy"]["class_path"],
+        "precision": (cfg["trainer"]["precision"], cfg["trainer"]["strategy"]["init_args"].get("param_dtype")),
         "callbacks": sorted(c["class_path"] for c in cfg["trainer"]["callbacks"]),
     }
 
