@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be positive")
         check_parallel_sizes(trainer, args.nodes * args.gpus_per_node)
         values = script_values(args, recipe, fit_args)
-        script = render(Path(args.template).read_text(), values)
+        template = Path(args.template)
+        if not template.is_file():
+            raise FileNotFoundError(f"sbatch template {template} not found (the repository's slurm/ folder holds it); "
+                                    f"pass --template PATH")
+        script = render(template.read_text(), values)
     except (OSError, ValueError, KeyError) as err:
         print(f"lightning-moe slurm: {err}", file=sys.stderr)
         return 2

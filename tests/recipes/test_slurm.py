@@ -96,6 +96,10 @@ def test_sizes_that_do_not_fit_the_gpus_fail_before_writing(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert main(["slurm", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "no such recipe" in capsys.readouterr().err
+    assert main(["slurm", "--config", RECIPE, "--template", str(tmp_path / "none.sh"), "--dry-run"]) == 2
+    assert "pass --template PATH" in capsys.readouterr().err
+    assert main(["slurm", "--config", RECIPE, "--container-mounts", "/a:/a", "--dry-run"]) == 2
+    assert "--container-mounts needs --container-image" in capsys.readouterr().err
 
 
 def test_every_recipe_renders_for_its_own_gpus(capsys):
