@@ -15,28 +15,48 @@ import torch
 IGNORE_INDEX = -100
 
 
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when it is on (bf16-mixed), else the input's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 vocab_group=None, vocab_start: int = 0):
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = _compute_dtype(hidden)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            y = labels[start : start + chunk_size]
-            logits = (h @ weight.t()).float()
-            lse, target, rows, cols = _softmax_statistics(logits, y, vocab_group, vocab_start)
-            loss_sum += (lse - target).sum()
-            if need_hidden_grad or need_weight_grad:
-                grad_logits = torch.exp(logits.sub_(lse[:, None]))
+        # cast once, not once per chunk and matmul as autocast would
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight_c, hidden_c = weight.to(dtype), hidden.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_size):
+                h = hidden_c[start : start + chunk_size]
+                y = labels[start : start + chunk_size]
+                logits = (h @ weight_c.t()).float()
+                if vocab_group is None:
+                    rows, cols = torch.arange(y.shape[0], device=y.device), y
+                    log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: one chunk buffer
+                    loss_sum -= log_probs[rows, cols].sum()
+                else:
+                    lse, target, rows, cols = _vocab_parallel_statistics(logits, y, vocab_group, vocab_start)
+                    loss_sum += (lse - target).sum()
+                    log_probs = logits.sub_(lse[:, None])
+                if not (need_hidden_grad or need_weight_grad):
+                    continue
+                grad_logits = log_probs.exp_()  # softmax, in place
                 grad_logits[rows, cols] -= 1.0
-                grad_logits = grad_logits.to(h.dtype)
+                grad_logits = grad_logits.to(dtype)
                 if need_hidden_grad:
-                    grad_hidden[start : start + chunk_size] = grad_logits @ weight
+                    grad_hidden[start : start + chunk_size] = grad_logits @ weight_c
                 if need_weight_grad:
-                    grad_weight += (grad_logits.t() @ h).float()
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(grad_logits.t(), h)
+                    else:
+                        grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss_sum
 
@@ -50,16 +70,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _softmax_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
-    """Log-sum-exp and target logit of each row, and where the target sits in ``logits`` (rows, cols).
-
-    With ``vocab_group`` the columns are this rank's slice of a vocabulary split over the group (tensor
-    parallelism, as in Megatron): max and sum of exponentials are all-reduced, and the target logit comes
-    from the rank that owns it.
+def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
+    """Log-sum-exp and target logit of each row, and where the target sits in ``logits`` (rows, cols), when the
+    columns are this rank's slice of a vocabulary split over ``vocab_group`` (tensor parallelism, as in
+    Megatron): max and sum of exponentials are all-reduced, and the target logit comes from the rank that owns it.
     """
-    if vocab_group is None:
-        rows = torch.arange(labels.shape[0], device=labels.device)
-        return torch.logsumexp(logits, dim=-1), logits.gather(1, labels[:, None]).squeeze(1), rows, labels
     import torch.distributed as dist
 
     local = labels - vocab_start
