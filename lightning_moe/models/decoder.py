@@ -140,6 +140,7 @@ class Decoder(nn.Module):
         hidden = self.hidden_states(input_ids, layout)
         final = self.norm(hidden)
         if labels is None:
+            self._collect_aux_loss()  # a logits-only forward has no loss to add them to
             return self.output_layer.logits(final, self.output_weight)
         loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size)
         out = LossOutput(loss_sum=loss_sum, num_label_tokens=count)

@@ -54,7 +54,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_hidden[start : start + chunk_size] = grad_logits @ weight_c
                 if need_weight_grad:
                     if dtype == torch.float32:
-                        grad_weight.addmm_(grad_logits.t(), h)
+                        # accumulate in place (the out= form, which FLOP counters see, unlike addmm_)
+                        torch.addmm(grad_weight, grad_logits.t(), h, out=grad_weight)
                     else:
                         grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
