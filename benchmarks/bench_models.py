@@ -1,7 +1,7 @@
 """Training-step throughput and peak memory: native Decoder vs transformers, same config, weights and batch.
 
 Each (workload, implementation) runs in its own process so peak RSS is its own. One step =
-forward + backward + AdamW step in fp32 on CPU. Peak memory is the process's high-water mark during the
+forward + backward + fused AdamW step (both stacks' default optimizer) in fp32 on CPU. Peak memory is the process's high-water mark during the
 measured steps (reset after warm-up, so both sides hold their optimizer state), and also shown net of the
 weights + gradients + AdamW state every implementation must hold.
 
@@ -66,16 +66,15 @@ def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threa
     torch.manual_seed(1)
     batch, seq = spec["batch"], spec["seq"]
     ids = torch.randint(0, spec["vocab_size"], (batch, seq + 1))
-    inputs, labels = ids[:, :-1], ids[:, 1:]
+    inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     if impl == "transformers":
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).train()
 
         def step_loss():
-            # transformers shifts inside its loss: give it the unshifted row (same targets as ours)
-            logits = model(input_ids=inputs).logits
-            return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            # transformers' own training loss; shift_labels: the same (already shifted) targets as ours
+            return model(input_ids=inputs, labels=labels, shift_labels=labels).loss
     else:
         from lightning_moe.checkpoint.load import load_pretrained
 
@@ -85,7 +84,8 @@ def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threa
         def step_loss():
             return model(inputs, labels=labels).loss_sum / count
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # fused AdamW: transformers' Trainer default (torch >= 2.8) and CausalLM's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def train_step():
         loss = step_loss()

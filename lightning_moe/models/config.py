@@ -173,7 +173,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     init_std: float = 0.02
     # tokens per chunk of the fused output-layer cross entropy
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = 512
 
     def __post_init__(self) -> None:
         self.validate()

@@ -18,7 +18,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    # None: the fused kernel on CUDA, torch's default (foreach) elsewhere
+    # None: torch's fused kernel (one pass, no per-parameter temporaries) where it exists (CPU, CUDA)
     fused: bool | None = None
 
 
@@ -45,7 +45,7 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = cfg.fused
     if fused is None:
-        fused = True if all(p.is_cuda for p in decay + no_decay) else None
+        fused = all(p.device.type in ("cpu", "cuda") for p in decay + no_decay) or None
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
 

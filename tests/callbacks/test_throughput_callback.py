@@ -40,6 +40,12 @@ class WallClock(pl.Callback):
 
 
 class SlowValidation(TinyLM):
+    """Steps and validations long enough (tens of ms) that hook overhead is small against them."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
     def validation_step(self, batch, batch_idx):
         time.sleep(0.2)
 
