@@ -5,8 +5,7 @@ The public names below are imported on first use, so ``import lightning_moe`` st
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_moe.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -36,9 +35,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lightning_moe' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)

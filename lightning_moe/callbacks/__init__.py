@@ -6,8 +6,7 @@ Imported on first use, so ``lightning-moe report`` does not load Lightning.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_moe.lazy import lazy_exports
 
 _PUBLIC = {
     "HealthCheck": "lightning_moe.callbacks.health",
@@ -19,9 +18,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lightning_moe.callbacks' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)
