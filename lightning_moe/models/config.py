@@ -169,6 +169,8 @@ class ModelConfig:
     mamba: MambaConfig | None = None
     mtp: MTPConfig | None = None
     norm_eps: float = 1e-6
+    # RMSNorm multiplies by its weight in fp32 before casting back (GPT-OSS, Nemotron-H); matters below fp32
+    norm_weight_fp32: bool = False
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
     init_std: float = 0.02

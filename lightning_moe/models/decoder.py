@@ -62,7 +62,7 @@ class Block(nn.Module):
     def __init__(self, symbol: str, cfg: ModelConfig, attention_index: int = 0) -> None:
         super().__init__()
         self.symbol = symbol
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_weight_fp32)
         self.op_name = BLOCK_ATTRIBUTE[symbol]
         self.add_module(self.op_name, build_mixer(symbol, cfg, attention_index))
         self.mixes_sequence = symbol in "*M"
@@ -93,7 +93,7 @@ class Decoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = build_blocks(config.pattern, config)
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_fp32)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.output_layer = OutputLayer()
         self.mtp = None

@@ -94,6 +94,7 @@ class GptOss(Family):
                 norm_topk_prob=True,
                 aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             ),
+            norm_weight_fp32=True,
         )
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:

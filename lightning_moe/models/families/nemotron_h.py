@@ -149,6 +149,7 @@ class NemotronH(Family):
             mamba=mamba_from_hf(hf) if "M" in used else None,
             mtp=mtp,
             norm_eps=float(setting(hf, "layer_norm_epsilon")),
+            norm_weight_fp32=True,
             # transformers' NemotronH never ties: the hub always holds lm_head.weight
             tie_embeddings=False,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),

@@ -24,11 +24,11 @@ class MTPDepth(nn.Module):
         from lightning_moe.models.decoder import build_blocks
 
         hidden = config.hidden_size
-        self.enorm = RMSNorm(hidden, config.norm_eps)
-        self.hnorm = RMSNorm(hidden, config.norm_eps)
+        self.enorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
+        self.hnorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = build_blocks(config.mtp.pattern, config)
-        self.final_norm = RMSNorm(hidden, config.norm_eps)
+        self.final_norm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
         self._init_std = config.init_std
 
     def reset_parameters(self, init_std: float | None = None) -> None:

@@ -7,9 +7,13 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """``weight_fp32``: multiply by the weight in fp32 and cast the product (GPT-OSS, Nemotron-H), instead of
+    casting first (Llama and most others); the two differ only below fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, weight_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_fp32 = weight_fp32
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
@@ -19,4 +23,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalize in fp32, multiply by the weight in the input dtype (bitwise what HF does)
         normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.weight_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
