@@ -62,3 +62,21 @@ def test_load_pretrained_dtype(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     ids = torch.randint(0, 160, (1, 8))
     assert model(ids).dtype == torch.bfloat16
+
+
+def test_yarn_factor_defaults_to_the_context_ratio_like_transformers():
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lightning_moe.models.families.common import rope_from_hf
+    from lightning_moe.models.layers.rope import inverse_frequencies
+
+    hf = {"max_position_embeddings": 4096, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 1024}}
+    rope = rope_from_hf(hf, "LlamaForCausalLM")
+    assert rope.factor == 4.0
+    # transformers' config validation now insists on a factor: give it the ratio explicitly
+    explicit = {**hf, "rope_parameters": {**hf["rope_parameters"], "factor": 4096 / 1024}}
+    expected, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**explicit))
+    got, got_scale = inverse_frequencies(rope, 16, 4096)
+    assert torch.allclose(got, expected) and got_scale == pytest.approx(scale)

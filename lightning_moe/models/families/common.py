@@ -21,14 +21,15 @@ def rope_from_hf(hf: dict[str, Any], architecture: str) -> RopeConfig:
     if kind not in SUPPORTED_ROPE:
         raise ValueError(f"config.json ({architecture}): rope_type {kind!r} is not supported ({', '.join(SUPPORTED_ROPE)})")
     rope = RopeConfig(type=kind, theta=float(params["rope_theta"]))
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
-        if params.get(key) is not None:
-            setattr(rope, key, float(params[key]))
-    for key in ("mscale", "mscale_all_dim", "attention_factor", "partial_rotary_factor"):
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim", "attention_factor", "partial_rotary_factor"):
         if params.get(key) is not None:
             setattr(rope, key, float(params[key]))
     if params.get("original_max_position_embeddings") is not None:
         rope.original_max_position_embeddings = int(params["original_max_position_embeddings"])
+    if kind == "yarn" and params.get("factor") is None and rope.original_max_position_embeddings:
+        # as transformers does: the context extension is the ratio of the two lengths
+        rope.factor = hf["max_position_embeddings"] / rope.original_max_position_embeddings
     if "truncate" in params:
         rope.truncate = bool(params["truncate"])
     if hf.get("partial_rotary_factor") is not None:
