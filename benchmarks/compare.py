@@ -20,8 +20,9 @@ from typing import Any
 
 import yaml
 
+from lightning_moe.callbacks.report import find_card
+
 ROWS = Path(__file__).with_name("published_rows.yaml")
-CARD = "run_card.json"
 # (label, card field, row field, True when higher is better)
 SPEED = [("step time (s)", "step_time_s", "step_time_s", False),
          ("TFLOP/s/GPU", "tflops_per_gpu", "tflops_per_gpu", True),
@@ -32,16 +33,6 @@ WORKLOAD = [("GPUs", "world_size", "gpus"), ("global batch", "global_batch_size"
 
 def load_rows(path: Path = ROWS) -> dict[str, dict[str, Any]]:
     return yaml.safe_load(path.read_text())["rows"]
-
-
-def find_card(path: Path) -> Path:
-    """``path`` itself, or the newest run card under a run directory (the logger's version folder holds it)."""
-    if path.is_file():
-        return path
-    cards = sorted(path.rglob(CARD), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
-    if not cards:
-        raise FileNotFoundError(f"{path}: no {CARD} here or below (runs write it into their log directory)")
-    return cards[-1]
 
 
 def pick_row(card: dict[str, Any], rows: dict[str, dict[str, Any]], row_id: str | None) -> str:

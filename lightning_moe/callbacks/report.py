@@ -25,10 +25,19 @@ PANELS = (
 )
 
 
+def find_card(path: Path) -> Path:
+    """``path`` itself, or the newest run card under a run directory (the logger's version folder holds it)."""
+    if path.is_file():
+        return path
+    cards = sorted(path.rglob(CARD_JSON), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
+    if not cards:
+        raise FileNotFoundError(f"{path}: no run card ({CARD_JSON}) here or below (the RunCard callback writes it "
+                                f"into the run's log directory at the end of a run)")
+    return cards[-1]
+
+
 def load_card(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / CARD_JSON
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no run card (the RunCard callback writes it at the end of a run)")
+    path = find_card(run_dir)
     card = json.loads(path.read_text())
     if "series" not in card or "step" not in card["series"]:
         raise ValueError(f"{path}: no per-step 'series' in the run card")
@@ -67,15 +76,15 @@ def plot_card(card: dict[str, Any]) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-moe report", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="folder holding run_card.json")
-    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/run_report.png)")
+    parser.add_argument("run_dir", type=Path, help="a run directory (its newest run_card.json is used) or the card")
+    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: beside the run card)")
     args = parser.parse_args(argv)
     try:
         png = plot_card(load_card(args.run_dir))
     except (OSError, ValueError, ImportError) as error:
         print(f"lightning-moe report: {error}", file=sys.stderr)
         return 1
-    out = args.out or args.run_dir / "run_report.png"
+    out = args.out or find_card(args.run_dir).parent / "run_report.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, png)
     print(out)
