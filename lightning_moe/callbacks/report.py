@@ -31,7 +31,7 @@ def find_card(path: Path) -> Path:
         return path
     cards = sorted(path.rglob(CARD_JSON), key=lambda p: p.stat().st_mtime) if path.is_dir() else []
     if not cards:
-        raise FileNotFoundError(f"{path}: no run card ({CARD_JSON}) here or below (the RunCard callback writes it "
+        raise FileNotFoundError(f"{path}: no run card: no {CARD_JSON} here or below (the RunCard callback writes it "
                                 f"into the run's log directory at the end of a run)")
     return cards[-1]
 
