@@ -38,7 +38,7 @@ def add_missing_callbacks(callbacks: list) -> list:
     return callbacks + [c for c in default_callbacks() if type(c) not in present]
 
 
-def run_training_cli(argv: list[str]) -> None:
+def run_training_cli(argv: list[str] | None) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
@@ -62,14 +62,15 @@ def run_training_cli(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
-    command = argv[0]
+    command = args[0]
     if command in TOOLS:
-        return importlib.import_module(TOOLS[command]).main(argv[1:])
-    run_training_cli(argv)
+        return importlib.import_module(TOOLS[command]).main(args[1:])
+    # from the command line LightningCLI reads sys.argv itself (given both, it warns)
+    run_training_cli(args if argv is not None else None)
     return 0
 
 
