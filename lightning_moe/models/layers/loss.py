@@ -24,8 +24,11 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                vocab_group=None, vocab_start: int = 0):
-        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+                vocab_group=None, vocab_start: int = 0, grad_enabled: bool = True):
+        # ``needs_input_grad`` only says whether inputs require grad, also under no_grad (evaluation): the
+        # caller's grad mode, which forward cannot see, decides whether gradients are worth computing
+        need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
+        need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
         dtype = _compute_dtype(hidden)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
@@ -68,7 +71,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
@@ -112,7 +115,8 @@ def linear_cross_entropy(
         return (hidden.sum() + weight.sum()).float() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
     if count < labels.numel():
         hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
-    loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start)
+    loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start,
+                                         torch.is_grad_enabled())
     return loss_sum, torch.tensor(count, device=hidden.device)
 
 
