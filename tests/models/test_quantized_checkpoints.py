@@ -208,6 +208,20 @@ def test_mxfp4_import_logits_equal_transformers(tmp_path):
     assert max_logit_diff(theirs, ours, ids) <= TOL
 
 
+def test_fp8_layout_of_the_mtp_layer_is_the_hubs():
+    """Which tensors of DeepSeek-V3's MTP layer (``model.layers.61``) the hub stores as FP8 blocks: its decoder
+    layer's linears, but not the embedding/head copies, the norms, the router or ``eh_proj`` (bf16 on the hub)."""
+    family, layer = family_by_name("deepseek_v3"), "model.layers.61"
+    fp8 = [f"{layer}.self_attn.q_a_proj.weight", f"{layer}.self_attn.kv_b_proj.weight",
+           f"{layer}.mlp.experts.0.up_proj.weight", f"{layer}.mlp.shared_experts.down_proj.weight"]
+    bf16 = [f"{layer}.eh_proj.weight", f"{layer}.enorm.weight", f"{layer}.hnorm.weight",
+            f"{layer}.embed_tokens.weight", f"{layer}.shared_head.head.weight", f"{layer}.shared_head.norm.weight",
+            f"{layer}.mlp.gate.weight", f"{layer}.mlp.gate.e_score_correction_bias",
+            f"{layer}.self_attn.kv_a_layernorm.weight"]
+    assert [n for n in fp8 if not family.quantizes(n, Q.FP8_BLOCK)] == []
+    assert [n for n in bf16 if family.quantizes(n, Q.FP8_BLOCK)] == []
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def test_quantized_layout_errors(tmp_path):
     from safetensors.torch import load_file

@@ -31,8 +31,9 @@ ARCH = "DeepseekV3ForCausalLM"
 # DeepSeek-V3's bias update speed (gamma); GLM-4.5 uses the same
 BIAS_UPDATE_RATE = 1e-3
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-# hub tensors DeepSeek keeps in bf16: embeddings, output heads, the router, norms (1-D anyway)
-FP8_UNQUANTIZED = ("embed_tokens", "lm_head", "shared_head.head", "mlp.gate.", "norm")
+# hub tensors DeepSeek keeps in bf16: embeddings, output heads, the router, norms (1-D anyway) and the MTP
+# layers' input projection
+FP8_UNQUANTIZED = ("embed_tokens", "lm_head", "shared_head.head", "mlp.gate.", "norm", "eh_proj")
 
 
 # ---------------------------------------------------------------------------------------------- config
