@@ -78,7 +78,8 @@ def keep_checkpoints_adapter_only(module: nn.Module) -> None:
 
 
 def _frozen(module: nn.Module) -> set[str]:
-    return {name for name, param in module.named_parameters() if not param.requires_grad}
+    # every name of a shared parameter (a tied output layer is the embedding under a second name)
+    return {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 
 def _drop_frozen(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -214,3 +214,20 @@ def test_targets_on_a_transformers_moe_model_are_exactly_the_selected_ones():
     assert adapted == sorted(targets.linears)
     assert "model.layers.0.mlp.gate_proj" in adapted and "model.layers.1.self_attn.q_proj" not in adapted
     assert not any("experts" in n for n in adapted)
+
+
+def test_adapter_only_checkpoints_leave_out_tied_frozen_weights():
+    """A tied output layer is the frozen embedding under a second name: it stays out of LoRA checkpoints too."""
+    import transformers
+    from tiny_hf import tiny_config
+
+    from lightning_moe.peft import keep_checkpoints_adapter_only
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama_tied_bias"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    apply_lora(model, LoraConfig(r=4))
+    keep_checkpoints_adapter_only(model)
+    state = model.state_dict()
+    assert state and all(is_adapter_parameter(n) for n in state), [n for n in state if not is_adapter_parameter(n)]
+    model.load_state_dict(state, strict=True)  # the frozen weights, under either name, are not asked for
