@@ -8,7 +8,8 @@ Recipes (``Float8Config.recipe``):
   layers (torchao's ``MXFP8Linear``, tokens zero-padded to whole 32-row blocks, which its weight gradient
   scales along) and for the grouped expert GEMMs (expert weights wrapped in torchao's
   ``MXFP8TrainingWeightWrapperTensor``, which routes ``torch._grouped_mm`` to torchao's MXFP8 grouped GEMM, with
-  each expert's tokens padded likewise; its output is bf16).
+  each expert's tokens padded likewise; its output is bf16). Experts on the ``loop`` MoE backend run no grouped GEMM
+  and stay in high precision.
 
 ``emulate="auto"`` uses the hardware kernels on GPUs that have them (FP8: compute capability 8.9+, MXFP8: 10.0+)
 and torchao's emulation (quantize, dequantize, high-precision GEMM) elsewhere, so CPU runs train with the same
@@ -155,6 +156,10 @@ def apply_float8(model: nn.Module, cfg: Float8Config) -> Float8Report:
     for name, module, dims in candidates:
         if isinstance(module, GroupedExperts) and not cfg.is_mx:
             report.skipped[name] = f"grouped experts: recipe {cfg.recipe!r} converts linear layers only"
+            continue
+        if isinstance(module, GroupedExperts) and module.cfg.backend != "grouped_mm":
+            # the MXFP8 weight wrapper only changes torch._grouped_mm; per-expert matmuls would run unquantized
+            report.skipped[name] = f"grouped experts: moe.backend {module.cfg.backend!r} runs no grouped GEMM"
             continue
         reason = _skip_reason(name, dims, cfg)
         if reason is not None:

@@ -123,6 +123,18 @@ def test_mxfp8_grouped_experts_quantize_in_blocks_of_32():
     assert (ours.float() - plain).abs().max() > 10 * (ours.float() - expected).abs().max()
 
 
+def test_mxfp8_leaves_loop_backend_experts_in_high_precision():
+    """The MXFP8 weight wrapper quantizes only torch._grouped_mm: the per-expert loop would run unquantized."""
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.experts = GroupedExperts(MoEConfig(num_experts=2, intermediate_size=64, backend="loop"), 64)
+        model.proj = torch.nn.Linear(64, 64)
+    report = apply_float8(model, Float8Config(recipe="mxfp8", min_dim=32))
+    assert report.converted == ["proj"]
+    assert report.skipped["experts"] == "grouped experts: moe.backend 'loop' runs no grouped GEMM"
+    assert type(model.experts.up_proj) is torch.nn.Parameter
+
+
 def test_filter_fqns_keep_layers_in_high_precision():
     model, report = build(Float8Config(recipe="rowwise", min_dim=64, filter_fqns=["mlp"]))
     assert type(model.layers["1"].mlp.gate_proj) is torch.nn.Linear
