@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,22 +17,30 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     if final.exists() and not overwrite and (not final.is_dir() or any(final.iterdir())):
         raise FileExistsError(f"output {final} already exists and is not empty (pass overwrite to replace it)")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    # mkdir honours the umask (tempfile.mkdtemp would leave the output readable by its owner only)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
         yield tmp
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        elif final.exists() or final.is_symlink():
+            final.unlink()
+        os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -92,3 +92,31 @@ def test_console_script_round_trip(tmp_path, hf_dir):
     _edit_tensors(tmp_path / "export", lambda t: t["model.norm.weight"].mul_(2))
     bad = run("verify", "--reference", str(hf_dir), "--candidate", str(tmp_path / "export"))
     assert bad.returncode == 1 and "model.norm.weight: values differ" in bad.stdout
+
+
+def test_outputs_have_the_permissions_of_any_new_directory(tmp_path, hf_dir):
+    """Written under a temporary name, an output still gets the umask's permissions (shared model directories)."""
+    import os
+
+    (tmp_path / "plain").mkdir()
+    assert convert_main(["import", "--hf-path", str(hf_dir), "--out", str(tmp_path / "native")]) == 0
+    assert convert_main(["export", "--ckpt", str(tmp_path / "native"), "--out", str(tmp_path / "export")]) == 0
+    expected = os.stat(tmp_path / "plain").st_mode
+    assert os.stat(tmp_path / "native").st_mode == expected
+    assert os.stat(tmp_path / "export").st_mode == expected
+
+
+def test_overwrite_replaces_an_output_file_or_directory(tmp_path):
+    from lightning_moe.checkpoint.atomic import atomic_directory
+
+    for existing in ("dir", "file"):
+        out = tmp_path / existing
+        if existing == "dir":
+            out.mkdir()
+            (out / "old.txt").write_text("old")
+        else:
+            out.write_text("old")
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "new.txt").write_text("new")
+        assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # no temporary left behind
