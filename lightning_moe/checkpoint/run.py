@@ -33,6 +33,20 @@ def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
     raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
 
 
+def trained_hyperparameters(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The run's module arguments as it built its model: a ``model: {hf: DIR}`` of an architecture with a native
+    family trained the native decoder from ``pretrained: DIR`` (``CausalLM._route_hf``)."""
+    from lightning_moe.models.hf import HFModelConfig, native_checkpoint_dir
+
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
+    cfg = hparams.get("model")
+    if isinstance(cfg, HFModelConfig):
+        directory = native_checkpoint_dir(cfg)
+        if directory is not None:
+            hparams.update(model=None, pretrained=str(directory))
+    return hparams
+
+
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
     """A distributed (DCP) checkpoint directory as one dict: tensors from the shards, the rest from Lightning's
     ``meta.pt``."""
@@ -56,7 +70,7 @@ def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None =
     from lightning_moe.models.hf import HFModelConfig
 
     checkpoint = read_run_checkpoint(ckpt)
-    hparams = checkpoint.get("hyper_parameters") or {}
+    hparams = trained_hyperparameters(checkpoint)
     if isinstance(hparams.get("model"), HFModelConfig):
         from lightning_moe.checkpoint.hf_model import export_hf_run
 

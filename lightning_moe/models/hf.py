@@ -124,6 +124,21 @@ def native_family(config_json: dict[str, Any]):
         return None
 
 
+def native_checkpoint_dir(cfg: HFModelConfig) -> Path | None:
+    """The directory ``cfg`` trains from through the native decoder (as ``pretrained``), or None when it trains
+    as the transformers model: ``native: auto`` picks native for architectures with a native family."""
+    if cfg.native == "never":
+        return None
+    directory = resolve_model_dir(cfg)
+    config_json = read_config_json(directory)
+    if native_family(config_json) is not None:
+        return directory
+    if cfg.native == "always":
+        raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
+                         f"family; use native: auto to train it through transformers")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- construction
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:

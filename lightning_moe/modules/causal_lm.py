@@ -143,18 +143,13 @@ class CausalLM(L.LightningModule):
     def _route_hf(self) -> None:
         """An ``HFModelConfig`` whose architecture has a native family becomes ``pretrained`` (native path);
         any other stays and is built through transformers."""
-        cfg = self.model_config
-        if not isinstance(cfg, HFModelConfig) or cfg.native == "never":
+        if not isinstance(self.model_config, HFModelConfig):
             return
-        from lightning_moe.models.hf import native_family, read_config_json, resolve_model_dir
+        from lightning_moe.models.hf import native_checkpoint_dir
 
-        directory = resolve_model_dir(cfg)
-        config_json = read_config_json(directory)
-        if native_family(config_json) is not None:
+        directory = native_checkpoint_dir(self.model_config)
+        if directory is not None:
             self.model_config, self.pretrained = None, str(directory)
-        elif cfg.native == "always":
-            raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
-                             f"family; use native: auto to train it through transformers")
 
     def resolved_config(self) -> ModelConfig:
         self._route_hf()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint
+from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint, trained_hyperparameters
 
 
 def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
@@ -24,7 +24,7 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
 
     path = Path(ckpt).expanduser()
     checkpoint = read_run_checkpoint(path)
-    hparams = checkpoint.get("hyper_parameters") or {}
+    hparams = trained_hyperparameters(checkpoint)
     if hparams.get("peft") is None:
         raise ValueError(f"{path}: the run has no `peft` settings, so it is not a LoRA run")
     if hparams.get("pretrained") is None:

@@ -89,3 +89,27 @@ def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path):
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
             "model.layers.1.mlp.down_proj.weight"} <= set(record["sharded"])
     assert record["losses"] == pytest.approx(single, abs=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_run_of_a_native_family_named_by_hf_exports_what_it_trained(lora, tmp_path):
+    """``model: {hf: DIR}`` of an architecture with a native family trains the native decoder from DIR; the run's
+    checkpoint exports (full: every weight; LoRA: merged onto DIR) to a model whose logits are the run's."""
+    import transformers as t
+    from tiny_hf import save_tiny as save_native
+
+    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.peft import LoraConfig
+
+    model_dir = str(save_native("llama", tmp_path / "llama"))
+    options = {"peft": LoraConfig(r=4, alpha=8, target_modules=["all-linear"])} if lora else {}
+    _, module = trainer_cases.fit(model_dir, str(tmp_path / "run"), checkpoint=True, **options)
+    assert isinstance(module.model, Decoder)
+    checkpoint = next((tmp_path / "run" / "ckpt").glob("*step=2.ckpt"))
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "export")]) == 0
+    exported = t.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    input_ids = batch()["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids, use_cache=False).logits, module.model.eval()(input_ids),
+                                   rtol=1e-5, atol=1e-5)
