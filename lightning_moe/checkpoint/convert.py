@@ -157,7 +157,8 @@ class VerifyReport:
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8) if tensor.element_size() and tensor.numel() else tensor
+    # flattened first: a 0-dim tensor cannot be viewed as bytes
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def verify_hf_checkpoints(reference: str | Path, candidate: str | Path) -> VerifyReport:

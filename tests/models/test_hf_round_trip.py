@@ -76,3 +76,16 @@ def test_verify_reports_every_mismatch(tmp_path):
     assert "model.norm.weight: values differ" in text
     assert "lm_head.weight: dtype torch.float32 != torch.bfloat16" in text
     assert "model.embed_tokens.weight: missing from candidate" in text
+
+
+def test_verify_compares_scalars_and_empty_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"scale": torch.tensor(0.5), "empty": torch.zeros(0, 4), "flags": torch.tensor([True, False])}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+    assert verify_hf_checkpoints(tmp_path / "a", tmp_path / "b").ok
+    save_file({**tensors, "scale": torch.tensor(0.25)}, str(tmp_path / "b" / "model.safetensors"))
+    report = verify_hf_checkpoints(tmp_path / "a", tmp_path / "b")
+    assert report.mismatches == ["scale: values differ (max abs diff 0.25)"]
