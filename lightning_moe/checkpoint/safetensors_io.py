@@ -85,11 +85,13 @@ class ShardedWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
+        self._names: set[str] = set()  # every tensor added so far (a hub checkpoint may hold 100k+)
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in shard for shard in self._shards):
+        if name in self._names:
             raise ValueError(f"tensor {name!r} written twice")
+        self._names.add(name)
         size = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()

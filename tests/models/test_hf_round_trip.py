@@ -89,3 +89,14 @@ def test_verify_compares_scalars_and_empty_tensors(tmp_path):
     save_file({**tensors, "scale": torch.tensor(0.25)}, str(tmp_path / "b" / "model.safetensors"))
     report = verify_hf_checkpoints(tmp_path / "a", tmp_path / "b")
     assert report.mismatches == ["scale: values differ (max abs diff 0.25)"]
+
+
+def test_sharded_writer_refuses_a_name_written_to_an_earlier_shard(tmp_path):
+    from lightning_moe.checkpoint.safetensors_io import ShardedWriter
+
+    writer = ShardedWriter(tmp_path, max_shard_bytes=8)
+    for name in ("a", "b", "c"):
+        writer.add(name, torch.zeros(2))
+    with pytest.raises(ValueError, match="tensor 'a' written twice"):
+        writer.add("a", torch.zeros(2))
+    assert writer.finish() == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
