@@ -48,6 +48,21 @@ class TokenizedSamples:
         return np.diff(self.offsets)
 
 
+def flat_list_column(column: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A pyarrow list column (chunked) as flat values and int64 offsets: row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``. Walked chunk by chunk because combining the chunks into one list
+    array overflows its int32 offsets past 2**31 values (a few billion tokens)."""
+    values, offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+    for chunk in column.chunks:
+        off = chunk.offsets.to_numpy().astype(np.int64)
+        # a sliced chunk's offsets index its whole (unsliced) values buffer
+        values.append(chunk.values.to_numpy(zero_copy_only=False)[off[0]:off[-1]])
+        offsets.append(off[1:] - off[0] + base)
+        base += int(off[-1] - off[0])
+    flat = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+    return flat, np.concatenate(offsets)
+
+
 def write_packed_dataset(
     output_dir: str, samples: TokenizedSamples, packed_sequence_size: int, pad_seq_to_mult: int = 1,
     pad_id: int = 0, packing: str = "ffd", overlong: str = "drop", metadata: dict[str, Any] | None = None,
@@ -164,10 +179,7 @@ class PackedDataset:
         if missing:
             raise ValueError(f"{path}/{PACKED_FILE}: columns {sorted(missing)} missing "
                              f"(found: {', '.join(table.column_names)})")
-        self._cols = {}
-        for name in ("input_ids", "labels", "seq_start_id"):
-            arr = table.column(name).combine_chunks()
-            self._cols[name] = (arr.values.to_numpy(zero_copy_only=False), arr.offsets.to_numpy())
+        self._cols = {name: flat_list_column(table.column(name)) for name in ("input_ids", "labels", "seq_start_id")}
         n_ids, n_lab = (np.diff(self._cols[k][1]) for k in ("input_ids", "labels"))
         bad = np.flatnonzero(n_ids != n_lab)
         if len(bad):

@@ -23,6 +23,7 @@ from lightning_moe.data.formats import PRESETS, RowError, SampleFormat, shift_la
 from lightning_moe.data.packed_parquet import (
     PackedDataset,
     TokenizedSamples,
+    flat_list_column,
     read_metadata,
     write_packed_dataset,
 )
@@ -100,10 +101,9 @@ def tokenize_source(
     if errors:
         log.warning("%s: skipped %d invalid rows, first: %s", src.name, len(errors), errors[0][1])
     table = mapped.data.table
-    ids_col, lab_col = (table.column(c).combine_chunks() for c in ("input_ids", "labels"))
-    samples = TokenizedSamples(ids_col.values.to_numpy(zero_copy_only=False).astype(np.int64),
-                               lab_col.values.to_numpy(zero_copy_only=False).astype(np.int64),
-                               ids_col.offsets.to_numpy().astype(np.int64))
+    ids, offsets = flat_list_column(table.column("input_ids"))
+    labels, _ = flat_list_column(table.column("labels"))
+    samples = TokenizedSamples(ids.astype(np.int64, copy=False), labels.astype(np.int64, copy=False), offsets)
     if errors:  # skipped rows have no tokens; drop their (empty) slots
         keep = np.diff(samples.offsets) > 0
         samples = TokenizedSamples(samples.ids, samples.labels,

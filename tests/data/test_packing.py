@@ -65,3 +65,19 @@ def test_ffd_efficiency_on_tulu_lengths(tokenizer, tulu_rows):
     assert stats.packing_efficiency >= 0.99, stats
     greedy = packing_stats(pack_greedy(scaled, 4096), scaled, 4096)
     assert greedy.packing_efficiency < stats.packing_efficiency
+
+
+def test_flat_list_column_walks_chunks_and_slices():
+    """List columns are read chunk by chunk (one combined array would overflow int32 offsets past 2**31
+    tokens); sliced chunks, empty rows and empty chunks keep their rows."""
+    import pyarrow as pa
+
+    from lightning_moe.data.packed_parquet import flat_list_column
+
+    rows = [[1, 2, 3], [], [4], [5, 6], [7, 8, 9, 10], [11]]
+    whole = pa.array(rows, type=pa.list_(pa.int32()))
+    column = pa.chunked_array([whole.slice(0, 2), whole.slice(2, 0), whole.slice(2, 3), whole.slice(5, 1)])
+    values, offsets = flat_list_column(column)
+    assert offsets.dtype == np.int64
+    assert [values[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == rows
+    assert values.tolist() == list(range(1, 12))
