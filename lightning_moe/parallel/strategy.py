@@ -6,6 +6,8 @@ to the module. This one takes the sizes of every dimension, validates them again
 data module's row length (in ``setup``), all before the first step, and provides what the training module
 and data modules ask of a strategy: ``parallelize``, ``shard_batch``, ``loss_reduction_group``,
 ``clip_grad_norm``, ``data_parallel_rank`` / ``data_parallel_size`` and ``parallel_sizes``.
+With gradient accumulation under HSDP, the all-reduce across replicas runs once per optimizer step
+(``block_backward_sync``).
 
 Distributed checkpoints are Lightning's (DCP directories); parameters and optimizer states are DTensors
 with global shapes, so a checkpoint saved on one mesh resumes on another.
@@ -21,6 +23,8 @@ YAML::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -154,6 +158,30 @@ class ParallelStrategy(ModelParallelStrategy):
         from lightning_moe.parallel.grad_norm import clip_grad_norm_
 
         return clip_grad_norm_(parameters, max_norm, norm_type)
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning runs every micro-batch but the last of an accumulation window inside this. Under HSDP the
+        all-reduce of gradients across replicas then waits for the last micro-batch: earlier ones are only
+        reduce-scattered inside their replica (gradients stay sharded) and FSDP adds those partial sums into
+        the last micro-batch's before the one all-reduce, so ``param.grad`` is written only then. An FSDP
+        group that got gradients from an earlier micro-batch must get some from the last one too (always the
+        case when every micro-batch runs the whole model). Plain FSDP has no all-reduce to defer."""
+        modules = self._hsdp_modules()
+        for module in modules:
+            module.set_requires_all_reduce(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_all_reduce(True, recurse=False)
+
+    def _hsdp_modules(self) -> list:
+        if self._parallel_dims is None or self._parallel_dims.dp_replicate == 1 or self.lightning_module is None:
+            return []
+        from torch.distributed.fsdp import FSDPModule
+
+        return [module for module in self.lightning_module.modules() if isinstance(module, FSDPModule)]
 
     def setup(self, trainer) -> None:
         data = getattr(trainer, "datamodule", None)

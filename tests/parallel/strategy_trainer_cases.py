@@ -4,15 +4,18 @@ externally launched gloo ranks (the harness sets the launcher variables; Lightni
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from parallel_cases import LOSS_TOLERANCE, tiny_config
+from parallel_cases import LOSS_TOLERANCE, full, tiny_config
 
 from lightning_moe import ParallelStrategy
 from lightning_moe.data import MockDataModule
+from lightning_moe.models.decoder import Decoder
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.parallel import ParallelDims
@@ -72,3 +75,81 @@ def resume_on_another_mesh(directory: str) -> None:
     for (step, loss, norm), (_, expected_loss, expected_norm) in zip(resumed, full[2:]):
         assert abs(loss - expected_loss) <= LOSS_TOLERANCE, (step, loss, expected_loss)
         assert abs(norm - expected_norm) <= 1e-4 * expected_norm, (step, norm, expected_norm)
+
+
+class AccumulationProbe(CausalLM):
+    """Gives each micro-batch a different number of label tokens and records, on every rank: the weights at the
+    start (full tensors), the first step's micro-batches, whether ``param.grad`` exists after each micro-batch's
+    backward, and the first step's gradients as the optimizer sees them (normalized, before clipping)."""
+
+    def on_train_start(self) -> None:
+        self.initial = {name: full(p).detach().clone() for name, p in self.model.named_parameters()}
+        self.first_batches, self.grads_written, self.first_grads = [], [], {}
+
+    def training_step(self, batch, batch_idx):
+        batch = dict(batch, labels=batch["labels"].clone())
+        batch["labels"][:, : 3 * dist.get_rank() + 2 * batch_idx + 1] = -100
+        if self.trainer.global_step == 0:
+            self.first_batches.append({k: v.clone() for k, v in batch.items() if k != "num_label_tokens"})
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self) -> None:
+        self.grads_written.append(any(p.grad is not None for p in self.model.parameters()))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if not self.first_grads:
+            self.first_grads = {n: full(p.grad).clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class AllReduceEveryMicroBatch(ParallelStrategy):
+    """HSDP as without deferral: the replicas all-reduce after every micro-batch."""
+
+    @contextmanager
+    def block_backward_sync(self):
+        yield
+
+
+def fit_accumulated(strategy: ParallelStrategy, root: Path, steps: int = 3) -> tuple[AccumulationProbe, list]:
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, limit_val_batches=0, gradient_clip_val=0.5, callbacks=[recorder],
+    )
+    module = AccumulationProbe(model=tiny_config("qwen3_moe"), optimizer=OptimizerConfig(lr=3e-3))
+    data = MockDataModule(seq_length=SEQ, micro_batch_size=1, global_batch_size=GLOBAL_ROWS, vocab_size=64,
+                          num_val_samples=0)
+    trainer.fit(module, datamodule=data)
+    assert trainer.accumulate_grad_batches == 2
+    return module, recorder.steps
+
+
+def hsdp_accumulation_all_reduces_once(directory: str) -> None:
+    """HSDP over 2 replicas with 2 micro-batches per step: the all-reduce across replicas waits for the last
+    micro-batch, and the losses, gradient norms and gradients equal those of all-reducing every micro-batch.
+    The first step's gradients are those of one process on the whole global batch: the sum of its token
+    losses over its label tokens."""
+    sizes = {"dp_replicate": 2, "dp_shard": 1}
+    deferred, deferred_steps = fit_accumulated(ParallelStrategy(**sizes), Path(directory) / "deferred")
+    synchronous, synchronous_steps = fit_accumulated(AllReduceEveryMicroBatch(**sizes), Path(directory) / "sync")
+    assert deferred.grads_written == [False, True] * 3, deferred.grads_written
+    assert synchronous.grads_written == [True, True] * 3, synchronous.grads_written
+    for (step, loss, norm), (_, sync_loss, sync_norm) in zip(deferred_steps, synchronous_steps, strict=True):
+        assert abs(loss - sync_loss) <= 1e-6 * abs(sync_loss), (step, loss, sync_loss)
+        assert abs(norm - sync_norm) <= 1e-5 * sync_norm, (step, norm, sync_norm)
+    for name, grad in synchronous.first_grads.items():
+        assert torch.allclose(deferred.first_grads[name], grad, rtol=1e-5, atol=1e-8), name
+
+    batches = [None] * dist.get_world_size()
+    dist.all_gather_object(batches, deferred.first_batches)
+    reference = Decoder(tiny_config("qwen3_moe"))
+    reference.load_state_dict(deferred.initial, strict=False)
+    total, labels = 0.0, 0
+    for batch in (b for rank_batches in batches for b in rank_batches):
+        out = reference(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+        total, labels = total + out.loss_sum, labels + int(out.num_label_tokens)
+    (total / labels).backward()
+    assert abs(deferred_steps[0][1] - total.item() / labels) <= LOSS_TOLERANCE
+    for name, param in reference.named_parameters():
+        assert torch.allclose(deferred.first_grads[name], param.grad, rtol=1e-4, atol=1e-7), name

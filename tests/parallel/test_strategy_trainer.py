@@ -1,5 +1,6 @@
 """``ParallelStrategy`` under a real ``Trainer`` with ``CausalLM``: a distributed checkpoint written with 2-way
-FSDP resumes with 2-way tensor parallelism and continues with the same losses and gradient norms."""
+FSDP resumes with 2-way tensor parallelism and continues with the same losses and gradient norms; HSDP with
+gradient accumulation all-reduces across replicas once per step and trains like one process."""
 
 from __future__ import annotations
 
@@ -12,3 +13,8 @@ pytestmark = pytest.mark.distributed
 
 def test_fsdp_checkpoint_resumes_with_tensor_parallelism(tmp_path):
     run_distributed_test(strategy_trainer_cases.resume_on_another_mesh, 2, str(tmp_path), init_process_group=False)
+
+
+def test_hsdp_accumulation_all_reduces_once_per_step(tmp_path):
+    run_distributed_test(strategy_trainer_cases.hsdp_accumulation_all_reduces_once, 2, str(tmp_path),
+                         init_process_group=False)
