@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.data.formats import IGNORE_INDEX
 from lightning_moe.data.packing import PACKERS, packing_stats
 
@@ -68,7 +68,8 @@ def write_packed_dataset(
     pad_id: int = 0, packing: str = "ffd", overlong: str = "drop", metadata: dict[str, Any] | None = None,
     rows_per_group: int = 2048,
 ) -> dict[str, Any]:
-    """Pack ``samples`` and write ``output_dir`` (through a temporary folder renamed at the end).
+    """Pack ``samples`` and write ``output_dir`` (through a temporary folder renamed at the end, removed if
+    writing fails).
 
     Over-long samples (longer than ``packed_sequence_size`` after padding to ``pad_seq_to_mult``) are
     dropped, or cut to the pack size with ``overlong="truncate"``; samples left without any label
@@ -109,28 +110,6 @@ def write_packed_dataset(
     bins = PACKERS[packing](kept_padded, psize)
     stats = packing_stats(bins, kept_padded, psize)
 
-    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-                        ("seq_start_id", pa.list_(pa.int32()))])
-    tmp = f"{output_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with pq.ParquetWriter(os.path.join(tmp, PACKED_FILE), schema) as writer:
-        for g in range(0, len(bins), rows_per_group):
-            cols: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": [], "seq_start_id": []}
-            for b in bins[g:g + rows_per_group]:
-                ids_parts, lab_parts, starts, pos = [], [], [], 0
-                for k in b:
-                    i = int(kept[k])
-                    s, n, width = int(samples.offsets[i]), int(keep_len[i]), int(kept_padded[k])
-                    starts.append(pos)
-                    ids_parts += [samples.ids[s:s + n], np.full(width - n, pad_id)]
-                    lab_parts += [samples.labels[s:s + n], np.full(width - n, IGNORE_INDEX)]
-                    pos += width
-                cols["input_ids"].append(np.concatenate(ids_parts).astype(np.int32))
-                cols["labels"].append(np.concatenate(lab_parts).astype(np.int32))
-                cols["seq_start_id"].append(np.asarray(starts, dtype=np.int32))
-            writer.write_table(pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()},
-                                        schema=schema))
     meta = {
         "format_version": FORMAT_VERSION, **stats.to_dict(), "pad_seq_to_mult": mult, "packing": packing,
         "overlong": overlong, "num_input_samples": len(samples), "num_dropped_overlong": num_dropped,
@@ -139,12 +118,27 @@ def write_packed_dataset(
                 for i in kept)),
         **(metadata or {}),
     }
-    with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-        f.write("\n")
-    if os.path.isdir(output_dir):
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                        ("seq_start_id", pa.list_(pa.int32()))])
+    with atomic_directory(output_dir, overwrite=True) as tmp:
+        with pq.ParquetWriter(str(tmp / PACKED_FILE), schema) as writer:
+            for g in range(0, len(bins), rows_per_group):
+                cols: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": [], "seq_start_id": []}
+                for b in bins[g:g + rows_per_group]:
+                    ids_parts, lab_parts, starts, pos = [], [], [], 0
+                    for k in b:
+                        i = int(kept[k])
+                        s, n, width = int(samples.offsets[i]), int(keep_len[i]), int(kept_padded[k])
+                        starts.append(pos)
+                        ids_parts += [samples.ids[s:s + n], np.full(width - n, pad_id)]
+                        lab_parts += [samples.labels[s:s + n], np.full(width - n, IGNORE_INDEX)]
+                        pos += width
+                    cols["input_ids"].append(np.concatenate(ids_parts).astype(np.int32))
+                    cols["labels"].append(np.concatenate(lab_parts).astype(np.int32))
+                    cols["seq_start_id"].append(np.asarray(starts, dtype=np.int32))
+                writer.write_table(pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()},
+                                            schema=schema))
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return meta
 
 

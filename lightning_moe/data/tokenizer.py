@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from lightning_moe.checkpoint.atomic import atomic_directory
+
 # ChatML-style template. The assistant turn, including its end-of-turn token, sits in a
 # `{% generation %}` block so `apply_chat_template(..., return_assistant_tokens_mask=True)` marks it.
 # The header ends with a newline outside the block, so no token straddles the block's start.
@@ -60,23 +62,15 @@ def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int =
         additional_special_tokens=CHAT_TOKENS, chat_template=CHAT_TEMPLATE, model_max_length=1 << 20,
         clean_up_tokenization_spaces=False,
     )
-    tmp = f"{output_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
     # The chat template goes inline into tokenizer_config.json (older transformers read only that),
     # and the generic fast-tokenizer class name loads in transformers 4 and 5 alike.
-    hf.save_pretrained(tmp, save_jinja_files=False)
-    config_path = os.path.join(tmp, "tokenizer_config.json")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["chat_template"] = CHAT_TEMPLATE
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-    if os.path.isdir(output_dir):
-        import shutil
-
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
+    with atomic_directory(output_dir, overwrite=True) as tmp:
+        hf.save_pretrained(str(tmp), save_jinja_files=False)
+        config_path = tmp / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config["chat_template"] = CHAT_TEMPLATE
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:

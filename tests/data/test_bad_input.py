@@ -98,3 +98,15 @@ def test_missing_sources(tmp_path, tokenizer_path):
         _build(tmp_path, str(tmp_path / "no_tokenizer"), str(tmp_path / "x.jsonl"))
     with pytest.raises(ValueError, match="unknown preset 'tulu4'"):
         SFTDataModule(tokenizer=tokenizer_path, dataset="x.jsonl", preset="tulu4")
+
+
+def test_failed_pack_leaves_neither_output_nor_temporary(tmp_path):
+    import numpy as np
+
+    from lightning_moe.data.packed_parquet import TokenizedSamples, write_packed_dataset
+
+    ids = np.arange(10, dtype=np.int64)
+    samples = TokenizedSamples(ids, ids.copy(), np.array([0, 4, 10]))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_packed_dataset(str(tmp_path / "packed"), samples, 16, metadata={"source": object()})
+    assert list(tmp_path.iterdir()) == []
