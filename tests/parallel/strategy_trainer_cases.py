@@ -84,13 +84,15 @@ class AccumulationProbe(CausalLM):
 
     def on_train_start(self) -> None:
         self.initial = {name: full(p).detach().clone() for name, p in self.model.named_parameters()}
-        self.first_batches, self.grads_written, self.first_grads = [], [], {}
+        self.first_batches, self.grads_written, self.first_grads = {}, [], {}
 
     def training_step(self, batch, batch_idx):
         batch = dict(batch, labels=batch["labels"].clone())
-        batch["labels"][:, : 3 * dist.get_rank() + 2 * batch_idx + 1] = -100
+        dp_rank = self.trainer.strategy.data_parallel_rank  # tensor-parallel peers share the batch
+        batch["labels"][:, : 3 * dp_rank + 2 * batch_idx + 1] = -100
         if self.trainer.global_step == 0:
-            self.first_batches.append({k: v.clone() for k, v in batch.items() if k != "num_label_tokens"})
+            kept = {k: v.clone() for k, v in batch.items() if k != "num_label_tokens"}
+            self.first_batches[(dp_rank, batch_idx)] = kept
         return super().training_step(batch, batch_idx)
 
     def on_after_backward(self) -> None:
@@ -110,29 +112,52 @@ class AllReduceEveryMicroBatch(ParallelStrategy):
         yield
 
 
-def fit_accumulated(strategy: ParallelStrategy, root: Path, steps: int = 3) -> tuple[AccumulationProbe, list]:
+def fit_accumulated(sizes: dict, root: Path, strategy_class: type = ParallelStrategy,
+                    steps: int = 3) -> tuple[AccumulationProbe, list]:
+    """``steps`` steps of two micro-batches each (gradient clipping at 0.5)."""
     recorder = StepRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy, max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, limit_val_batches=0, gradient_clip_val=0.5, callbacks=[recorder],
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy_class(**sizes),
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=root, limit_val_batches=0, gradient_clip_val=0.5,
+        callbacks=[recorder],
     )
     module = AccumulationProbe(model=tiny_config("qwen3_moe"), optimizer=OptimizerConfig(lr=3e-3))
-    data = MockDataModule(seq_length=SEQ, micro_batch_size=1, global_batch_size=GLOBAL_ROWS, vocab_size=64,
-                          num_val_samples=0)
+    dp = ParallelDims(**sizes, world_size=int(os.environ["LOCAL_WORLD_SIZE"])).dp_size
+    data = MockDataModule(seq_length=SEQ, micro_batch_size=GLOBAL_ROWS // dp // 2, global_batch_size=GLOBAL_ROWS,
+                          vocab_size=64, num_val_samples=0)
     trainer.fit(module, datamodule=data)
     assert trainer.accumulate_grad_batches == 2
     return module, recorder.steps
 
 
-def hsdp_accumulation_all_reduces_once(directory: str) -> None:
-    """HSDP over 2 replicas with 2 micro-batches per step: the all-reduce across replicas waits for the last
-    micro-batch, and the losses, gradient norms and gradients equal those of all-reducing every micro-batch.
-    The first step's gradients are those of one process on the whole global batch: the sum of its token
-    losses over its label tokens."""
+def check_first_step_against_one_process(probe: AccumulationProbe, first_loss: float) -> None:
+    """The first step's loss and gradients are those of one process on the whole global batch: the sum of its
+    token losses over its label tokens."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, probe.first_batches)
+    batches = {key: batch for rank_batches in gathered for key, batch in rank_batches.items()}
+    assert sum(batch["input_ids"].shape[0] for batch in batches.values()) == GLOBAL_ROWS, sorted(batches)
+    reference = Decoder(tiny_config("qwen3_moe"))
+    reference.load_state_dict(probe.initial, strict=False)
+    total, labels = 0.0, 0
+    for batch in batches.values():
+        out = reference(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+        total, labels = total + out.loss_sum, labels + int(out.num_label_tokens)
+    (total / labels).backward()
+    assert abs(first_loss - total.item() / labels) <= LOSS_TOLERANCE, (first_loss, total.item() / labels)
+    for name, param in reference.named_parameters():
+        assert torch.allclose(probe.first_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+
+
+def accumulation_matches_one_process(directory: str) -> None:
+    """Two micro-batches per step with uneven label counts. HSDP over 2 replicas: the all-reduce across replicas
+    waits for the last micro-batch, and the losses, gradient norms and gradients equal those of all-reducing
+    every micro-batch. HSDP, and tensor parallelism (replicated weights whose partial gradients accumulate
+    over micro-batches), train the first step like one process."""
     sizes = {"dp_replicate": 2, "dp_shard": 1}
-    deferred, deferred_steps = fit_accumulated(ParallelStrategy(**sizes), Path(directory) / "deferred")
-    synchronous, synchronous_steps = fit_accumulated(AllReduceEveryMicroBatch(**sizes), Path(directory) / "sync")
+    deferred, deferred_steps = fit_accumulated(sizes, Path(directory) / "deferred")
+    synchronous, synchronous_steps = fit_accumulated(sizes, Path(directory) / "sync", AllReduceEveryMicroBatch)
     assert deferred.grads_written == [False, True] * 3, deferred.grads_written
     assert synchronous.grads_written == [True, True] * 3, synchronous.grads_written
     for (step, loss, norm), (_, sync_loss, sync_norm) in zip(deferred_steps, synchronous_steps, strict=True):
@@ -140,16 +165,7 @@ def hsdp_accumulation_all_reduces_once(directory: str) -> None:
         assert abs(norm - sync_norm) <= 1e-5 * sync_norm, (step, norm, sync_norm)
     for name, grad in synchronous.first_grads.items():
         assert torch.allclose(deferred.first_grads[name], grad, rtol=1e-5, atol=1e-8), name
+    check_first_step_against_one_process(deferred, deferred_steps[0][1])
 
-    batches = [None] * dist.get_world_size()
-    dist.all_gather_object(batches, deferred.first_batches)
-    reference = Decoder(tiny_config("qwen3_moe"))
-    reference.load_state_dict(deferred.initial, strict=False)
-    total, labels = 0.0, 0
-    for batch in (b for rank_batches in batches for b in rank_batches):
-        out = reference(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
-        total, labels = total + out.loss_sum, labels + int(out.num_label_tokens)
-    (total / labels).backward()
-    assert abs(deferred_steps[0][1] - total.item() / labels) <= LOSS_TOLERANCE
-    for name, param in reference.named_parameters():
-        assert torch.allclose(deferred.first_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+    tensor_parallel, tp_steps = fit_accumulated({"tp": 2}, Path(directory) / "tp", steps=1)
+    check_first_step_against_one_process(tensor_parallel, tp_steps[0][1])

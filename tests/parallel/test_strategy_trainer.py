@@ -15,6 +15,6 @@ def test_fsdp_checkpoint_resumes_with_tensor_parallelism(tmp_path):
     run_distributed_test(strategy_trainer_cases.resume_on_another_mesh, 2, str(tmp_path), init_process_group=False)
 
 
-def test_hsdp_accumulation_all_reduces_once_per_step(tmp_path):
-    run_distributed_test(strategy_trainer_cases.hsdp_accumulation_all_reduces_once, 2, str(tmp_path),
+def test_gradient_accumulation_matches_one_process(tmp_path):
+    run_distributed_test(strategy_trainer_cases.accumulation_matches_one_process, 2, str(tmp_path),
                          init_process_group=False)
