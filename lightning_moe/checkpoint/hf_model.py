@@ -13,6 +13,7 @@ import copy
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,31 +133,29 @@ def export_hf_model(hf_model: nn.Module, out: str | Path, *, dtype: torch.dtype 
     return Path(out)
 
 
-def export_hf_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, dtype: torch.dtype | None = None,
                   overwrite: bool = False) -> Path:
-    """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``) from its Lightning
-    checkpoint (``.ckpt`` file or distributed directory) -> a Hugging Face directory. LoRA runs are exported
-    merged; their checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
-    from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint
-    from lightning_moe.models.hf import (
-        HFModelConfig,
-        build_hf_model,
-        hf_converters,
-        read_config_json,
-        resolve_model_dir,
-    )
+    """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``), from its Lightning
+    checkpoint read by ``read_run_checkpoint`` -> a Hugging Face directory. LoRA runs are exported merged; their
+    checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
+    from lightning_moe.checkpoint.run import PREFIX
+    from lightning_moe.models.hf import build_hf_model, hf_converters
 
-    checkpoint = read_run_checkpoint(ckpt)
-    hparams = checkpoint.get("hyper_parameters") or {}
-    cfg = hparams.get("model")
-    if not isinstance(cfg, HFModelConfig):
-        raise ValueError(f"{ckpt}: not a run of a transformers model (its `model` is {type(cfg).__name__}, "
-                         f"not {{hf: ...}}); native runs export with lightning-moe convert export/export-lora")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = read_config_json(resolve_model_dir(cfg)).get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    model = build_hf_model(cfg, task="causal-lm" if causal else "image-text-to-text",
-                           convert=hf_converters(peft=hparams.get("peft")), seed=hparams.get("seed", 0))
+    hparams = checkpoint["hyper_parameters"]
+    cfg = hparams["model"]
+    # the run's module class decides (a VisionLM of Qwen3.5 is not its causal-LM class); older runs: the model type
+    task = checkpoint.get("hf_task") or _task_of_model_type(cfg)
+    model = build_hf_model(cfg, task=task, convert=hf_converters(peft=hparams.get("peft")),
+                           seed=hparams.get("seed", 0))
     state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
     copy_tensors_into(model, state)
     return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
+
+
+def _task_of_model_type(cfg) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lightning_moe.models.hf import read_config_json, resolve_model_dir
+
+    causal = read_config_json(resolve_model_dir(cfg)).get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return "causal-lm" if causal else "image-text-to-text"

@@ -63,7 +63,6 @@ def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-
 def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, quantize: str | None = None,
                overwrite: bool = False) -> Path:
     """The model of a ``CausalLM`` run (native, LoRA or transformers path) -> a Hugging Face directory."""
@@ -74,7 +73,7 @@ def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None =
     if isinstance(hparams.get("model"), HFModelConfig):
         from lightning_moe.checkpoint.hf_model import export_hf_run
 
-        return export_hf_run(ckpt, out, dtype=dtype, overwrite=overwrite)
+        return export_hf_run(checkpoint, out, dtype=dtype, overwrite=overwrite)
     if hparams.get("peft") is not None:
         from lightning_moe.peft.run_export import export_lora_run
 

@@ -328,6 +328,8 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if isinstance(self.model, HFModel):  # which transformers auto class rebuilds the model at export
+            checkpoint["hf_task"] = self.hf_task
         # plain tensors and tuples only, so checkpoints load with torch.load(weights_only=True)
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         checkpoint["rng_states"] = {

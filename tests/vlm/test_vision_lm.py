@@ -127,3 +127,27 @@ def test_processor_that_does_not_match_the_model_is_refused(vlm_dir, tmp_path):
         trainer.fit(VisionLM(model=HFModelConfig(hf=str(mismatched))), datamodule=medpix(vlm_dir))
     with pytest.raises(ValueError, match="native=always but Qwen2_5_VLForConditionalGeneration has no native family"):
         VisionLM(model=HFModelConfig(hf=str(vlm_dir), native="always"))._route_hf()
+
+
+def test_run_checkpoint_exports_the_image_text_to_text_model(tmp_path):
+    """Qwen3.5's model type has a causal-LM class (text only) and an image-text-to-text class: the export of a
+    VisionLM run rebuilds the run's class and writes the trained vision tower too."""
+    import transformers as t
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_moe.checkpoint.commands import main
+
+    vlm_dir = save_tiny_vlm(tmp_path / "qwen3_5", family="qwen3_5")
+    module = VisionLM(model=HFModelConfig(hf=str(vlm_dir)), optimizer=OptimizerConfig(lr=1e-2), freeze_vision=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)])
+    trainer.fit(module, datamodule=medpix(vlm_dir, packing="none", packed_sequence_size=256, micro_batch_size=1))
+    checkpoint = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "export")]) == 0
+    exported = t.AutoModelForImageTextToText.from_pretrained(tmp_path / "export", dtype=torch.float32).state_dict()
+    trained = module.model.hf.state_dict()
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in exported)
+    start = t.AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).state_dict()
+    assert not torch.equal(exported["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])

@@ -76,14 +76,35 @@ def qwen3_vl_config(tokenizer):
     return t.Qwen3VLConfig(text_config=text, vision_config=vision, **{k: getattr(base, k) for k in ids})
 
 
-def save_tiny_vlm(path: Path, seed: int = 0, family: str = "qwen2_5_vl", **config_overrides) -> Path:
-    """A random ``family`` model (``qwen2_5_vl`` or ``qwen3_vl``) with its tokenizer and image processor."""
+def qwen3_5_config(tokenizer):
+    """Qwen3.5: a Qwen3-VL-style vision tower over gated-delta-net and gated full-attention layers; transformers
+    registers both a causal-LM class (text only) and an image-text-to-text class for its model type."""
     import transformers as t
 
-    tokenizer = save_tokenizer_and_image_processor(path, patch_size=16 if family == "qwen3_vl" else 14)
+    base = qwen3_vl_config(tokenizer)
+    text = dict(vocab_size=4160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=base.text_config.eos_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    ids = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return t.Qwen3_5Config(text_config=text, vision_config=vision, **{k: getattr(base, k) for k in ids})
+
+
+def save_tiny_vlm(path: Path, seed: int = 0, family: str = "qwen2_5_vl", **config_overrides) -> Path:
+    """A random ``family`` model (``qwen2_5_vl``, ``qwen3_vl`` or ``qwen3_5``) with its tokenizer and image
+    processor."""
+    import transformers as t
+
+    tokenizer = save_tokenizer_and_image_processor(path, patch_size=14 if family == "qwen2_5_vl" else 16)
     torch.manual_seed(seed)
     if family == "qwen3_vl":
         model = t.Qwen3VLForConditionalGeneration(qwen3_vl_config(tokenizer)).float()
+    elif family == "qwen3_5":
+        model = t.Qwen3_5ForConditionalGeneration(qwen3_5_config(tokenizer)).float()
     else:
         model = t.Qwen2_5_VLForConditionalGeneration(vlm_config(tokenizer, **config_overrides)).float()
     with torch.no_grad():
