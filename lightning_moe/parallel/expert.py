@@ -42,12 +42,13 @@ class AllToAllDispatcher(TokenDispatcher):
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(self.ranks, self.num_local_experts)
-        send_splits = counts.view(self.ranks, self.num_local_experts).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
+        # the split sizes go to the host once (one sync for both)
+        sent = counts.view(self.ranks, self.num_local_experts).sum(dim=1)
+        send_splits, recv_splits = torch.stack([sent, received.sum(dim=1)]).tolist()
         arrived = all_to_all_single_autograd(sorted_x, recv_splits, send_splits, self.group)
         # rows arrive grouped by source rank, then expert: regroup them by expert for the grouped GEMM
         expert_of_row = torch.arange(self.num_local_experts, device=x.device).repeat(self.ranks)
-        expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten())
+        expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten(), output_size=sum(recv_splits))
         by_expert = torch.argsort(expert_of_row, stable=True)
         state = (local_state, by_expert, send_splits, recv_splits)
         return arrived[by_expert], received.sum(dim=0), state
