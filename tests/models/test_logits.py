@@ -80,3 +80,35 @@ def test_yarn_factor_defaults_to_the_context_ratio_like_transformers():
     expected, scale = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**explicit))
     got, got_scale = inverse_frequencies(rope, 16, 4096)
     assert torch.allclose(got, expected) and got_scale == pytest.approx(scale)
+
+
+
+QWEN_SLIDING_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("settings", [
+    {},  # transformers' Qwen default: no sliding window, whatever sliding_window says
+    {"use_sliding_window": False},
+    {"use_sliding_window": True},  # layers from max_window_layers (28) on; Qwen3-MoE: every layer
+    {"use_sliding_window": True, "max_window_layers": 1},
+    {"use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+], ids=["unset", "off", "on", "from_layer_1", "layer_types"])
+def test_qwen_sliding_windows_are_those_transformers_derives(family, settings):
+    import transformers
+
+    from lightning_moe.models.families import family_by_name
+
+    config_class = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    theirs = config_class(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, sliding_window=8, **settings)
+    # a config.json that spells out only ``settings`` of the sliding-window keys
+    hf = {k: v for k, v in theirs.to_dict().items() if k not in QWEN_SLIDING_KEYS}
+    hf.update(sliding_window=8, **settings)
+    ours = family_by_name(family).from_hf_config(hf)
+    if family == "qwen3_moe":  # its attention takes config.sliding_window in every layer
+        expected = [theirs.sliding_window] * theirs.num_hidden_layers
+    else:
+        expected = [theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types]
+    assert [ours.attention.window_for(i) for i in range(theirs.num_hidden_layers)] == expected

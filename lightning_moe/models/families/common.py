@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_moe.models.config import AttentionConfig, ModelConfig, RopeConfig
-from lightning_moe.models.families.base import TensorMap, rope_parameters
+from lightning_moe.models.families.base import TensorMap, require, rope_parameters
 
 SUPPORTED_ROPE = ("default", "llama3", "yarn")
+# transformers' Qwen2/Qwen3 default: layers before this one never slide
+QWEN_MAX_WINDOW_LAYERS = 28
 
 
 def rope_from_hf(hf: dict[str, Any], architecture: str) -> RopeConfig:
@@ -62,15 +64,31 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
     return params
 
 
-def sliding_window_from_hf(hf: dict[str, Any], attention: AttentionConfig) -> None:
-    """Qwen-style ``layer_types`` / ``use_sliding_window`` and Mixtral-style ``sliding_window`` settings."""
+def sliding_window_from_hf(hf: dict[str, Any], attention: AttentionConfig, layer_types: list[str] | None = None) -> None:
+    """``sliding_window`` in every attention layer (Mixtral), or in those ``layer_types`` calls sliding (GPT-OSS)."""
     window = hf.get("sliding_window")
-    if window is None or hf.get("use_sliding_window") is False:
+    if window is None:
         return
     attention.sliding_window = int(window)
-    layer_types = hf.get("layer_types")
     if layer_types:
         attention.sliding_window_layers = [t == "sliding_attention" for t in layer_types]
+
+
+def qwen_sliding_window_from_hf(hf: dict[str, Any], attention: AttentionConfig, architecture: str,
+                                per_layer: bool = True) -> None:
+    """Qwen's rules, as transformers' configs apply them: no window unless ``use_sliding_window`` (default
+    False); then Qwen2/Qwen3 slide in the layers ``layer_types`` names, by default those from
+    ``max_window_layers`` on, and Qwen3-MoE (``per_layer=False``) in every layer."""
+    if not hf.get("use_sliding_window", False):
+        return
+    layer_types = None
+    if per_layer:
+        first = hf.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+        layer_types = hf.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(require(hf, "num_hidden_layers", architecture))
+        ]
+    sliding_window_from_hf(hf, attention, layer_types)
 
 
 def base_hf_config(cfg: ModelConfig, architecture: str, model_type: str) -> dict[str, Any]:

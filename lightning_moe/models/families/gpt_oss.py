@@ -78,7 +78,7 @@ class GptOss(Family):
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
         bias = bool(hf.get("attention_bias", True))
         attention = llama_style_attention(hf, ARCH, qkv_bias=bias, out_bias=bias, sinks=True)
-        sliding_window_from_hf({**hf, "layer_types": layer_types(hf)}, attention)
+        sliding_window_from_hf(hf, attention, layer_types(hf))
         return llama_style_model(
             hf, self.name, ARCH, "*E" * require(hf, "num_hidden_layers", ARCH), attention, mlp=None,
             moe=MoEConfig(

@@ -11,7 +11,7 @@ from lightning_moe.models.families.common import (
     check_llama_style_pattern,
     embedding_maps,
     llama_style_layer_maps,
-    sliding_window_from_hf,
+    qwen_sliding_window_from_hf,
 )
 from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 
@@ -21,7 +21,7 @@ ARCH = "Qwen2ForCausalLM"
 class Qwen2(Family):
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
         attention = llama_style_attention(hf, ARCH, qkv_bias=True, out_bias=False)
-        sliding_window_from_hf(hf, attention)
+        qwen_sliding_window_from_hf(hf, attention, ARCH)
         return llama_style_model(
             hf, self.name, ARCH, "*-" * require(hf, "num_hidden_layers", ARCH), attention,
             mlp=MLPConfig(require(hf, "intermediate_size", ARCH)),

@@ -11,7 +11,7 @@ from lightning_moe.models.families.common import (
     check_llama_style_pattern,
     embedding_maps,
     llama_style_layer_maps,
-    sliding_window_from_hf,
+    qwen_sliding_window_from_hf,
 )
 from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 from lightning_moe.models.families.qwen2 import sliding_window_to_hf
@@ -19,10 +19,11 @@ from lightning_moe.models.families.qwen2 import sliding_window_to_hf
 ARCH = "Qwen3ForCausalLM"
 
 
-def qwen3_attention(hf: dict[str, Any], architecture: str):
+def qwen3_attention(hf: dict[str, Any], architecture: str, per_layer_windows: bool = True):
+    """``per_layer_windows=False``: a sliding window applies to every layer (Qwen3-MoE)."""
     bias = bool(hf.get("attention_bias", False))
     attention = llama_style_attention(hf, architecture, qkv_bias=bias, out_bias=bias, qk_norm=True)
-    sliding_window_from_hf(hf, attention)
+    qwen_sliding_window_from_hf(hf, attention, architecture, per_layer_windows)
     return attention
 
 

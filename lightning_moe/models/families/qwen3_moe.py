@@ -29,7 +29,7 @@ class Qwen3Moe(Family):
             "*E" if i not in dense and num_experts > 0 and (i + 1) % step == 0 else "*-" for i in range(layers)
         )
         return llama_style_model(
-            hf, self.name, ARCH, pattern, qwen3_attention(hf, ARCH),
+            hf, self.name, ARCH, pattern, qwen3_attention(hf, ARCH, per_layer_windows=False),
             mlp=MLPConfig(hf.get("intermediate_size") or require(hf, "moe_intermediate_size", ARCH)),
             moe=MoEConfig(
                 num_experts=num_experts,
