@@ -87,7 +87,8 @@ class CausalLM(L.LightningModule):
             A missing path, or one whose tensors do not match ``model``, is an error, never a random start.
         optimizer: AdamW settings.
         scheduler: warmup + decay settings.
-        mtp_loss_scale: weight of each multi-token-prediction depth's loss (default: ``model.mtp.loss_scale``).
+        mtp_loss_scale: weight of the multi-token-prediction loss, the mean over its depths (default:
+            ``model.mtp.loss_scale``); Megatron's ``mtp_loss_scaling_factor``, DeepSeek-V3's lambda.
         seed: seed of the weight initialization (every rank uses the same one).
         fp8: FP8 / MXFP8 training of linear layers (and MXFP8 expert GEMMs); emulated where no hardware runs it.
         peft: LoRA adapters; only they train, and checkpoints hold only them (plus buffers).
@@ -235,9 +236,10 @@ class CausalLM(L.LightningModule):
             # a mean-type loss: weight it by this micro-batch's share of label tokens
             objective = objective + out.aux_loss * out.num_label_tokens
             self._accumulate(sums, "aux_loss", out.aux_loss * out.num_label_tokens)
-        scale = self._mtp_scale() if out.mtp_loss_sums else 0.0
+        # each of D depths weighs scale / D: the scale applies to the mean over depths, as in Megatron
+        weight = self._mtp_scale() / len(out.mtp_loss_sums) if out.mtp_loss_sums else 0.0
         for depth, (mtp_sum, mtp_count) in enumerate(zip(out.mtp_loss_sums, out.mtp_label_tokens), start=1):
-            objective = objective + scale * mtp_sum
+            objective = objective + weight * mtp_sum
             self._accumulate(sums, f"mtp_{depth}_loss_sum", mtp_sum)
             self._accumulate(sums, f"mtp_{depth}_tokens", mtp_count)
         return objective

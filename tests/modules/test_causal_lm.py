@@ -74,6 +74,30 @@ def test_step_loss_is_sum_over_label_tokens_of_the_global_batch(tmp_path):
     assert module.step_stats.label_tokens == sum(counts)
 
 
+def test_mtp_loss_scale_weighs_the_mean_over_depths(tmp_path):
+    """Megatron's mtp_loss_scaling_factor (DeepSeek-V3's lambda): with D depths each weighs scale / D."""
+    from lightning_moe.models.config import MTPConfig
+
+    class BatchProbe(GradientProbe):
+        def training_step(self, batch, batch_idx):
+            self.batch = batch
+            return super().training_step(batch, batch_idx)
+
+    config = tiny_moe(vocab=256)
+    config.mtp = MTPConfig(num_layers=2, pattern="*-", loss_scale=0.3)
+    module = BatchProbe(model=config, optimizer=OptimizerConfig(lr=0.0))
+    trainer(tmp_path, max_steps=1).fit(module, datamodule=MockDataModule(seq_length=16, micro_batch_size=2,
+                                                                          vocab_size=256, num_val_samples=0))
+    model = build_decoder(config, seed=module.seed)
+    batch = module.batch
+    out = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+    assert len(out.mtp_loss_sums) == 2
+    objective = out.loss_sum + 0.3 / 2 * sum(out.mtp_loss_sums) + out.aux_loss * out.num_label_tokens
+    (objective / out.num_label_tokens).backward()
+    for name, param in model.named_parameters():
+        assert torch.allclose(module.seen_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
+
+
 def test_pretrained_start_matches_transformers_loss(tmp_path):
     hf = build_tiny("qwen3")
     hf.save_pretrained(tmp_path / "hf")

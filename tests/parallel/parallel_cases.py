@@ -140,8 +140,9 @@ def train(model: torch.nn.Module, batches, dims: ParallelDims | None = None, opt
     for step in range(first_step, len(batches)):
         batch = local_batch(batches[step], dims) if dims is not None else batches[step]
         out = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
-        scale = model.config.mtp.loss_scale if model.config.mtp is not None else 0.0
-        (out.loss_sum + scale * sum(out.mtp_loss_sums, torch.zeros(()))).backward()
+        # the training module's objective: the MTP scale weighs the mean over depths
+        mtp_weight = model.config.mtp.loss_scale / len(out.mtp_loss_sums) if out.mtp_loss_sums else 0.0
+        (out.loss_sum + mtp_weight * sum(out.mtp_loss_sums, torch.zeros(()))).backward()
         totals = torch.stack([out.loss_sum.detach(), out.num_label_tokens.to(torch.float32)])
         if group is not None:
             dist.all_reduce(totals, group=group)
