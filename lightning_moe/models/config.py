@@ -150,7 +150,7 @@ class MTPConfig:
 
     num_layers: int = 0
     pattern: str = "*E"
-    loss_scale: float = 0.3
+    loss_scale: float = 0.3  # weight of the mean MTP loss over depths (Megatron's mtp_loss_scaling_factor)
     # keep the MTP weights (they round-trip through checkpoints) but skip their compute and loss
     enabled: bool = True
 
