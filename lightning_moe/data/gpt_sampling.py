@@ -1,9 +1,11 @@
 """GPT-style sampling over Megatron indexed data: documents, epochs, splits and blends.
 
-As in Megatron-Core's ``GPTDataset``: the documents of a split are shuffled per epoch with a seeded
-RNG and concatenated; sample ``j`` is tokens ``[j * S, j * S + S + 1)`` of that stream (so
-consecutive samples overlap by one token and cross document boundaries); samples are shuffled
-once more. ``input_ids = text[:-1]`` and ``labels = text[1:]`` are the package's shifted labels.
+As in Megatron-Core's ``GPTDataset``: a split is a contiguous range of sequences (documents, in text
+data), tiled over as many epochs as the samples need, shuffled with a seeded RNG and concatenated;
+sample ``j`` is tokens ``[j * S, j * S + S + 1)`` of that stream (so consecutive samples overlap by one
+token and cross document boundaries); samples are shuffled once more. Unlike Megatron, which shuffles
+all epochs' documents together, each epoch is its own permutation: every document once per epoch.
+The RNGs differ from Megatron's, so the order is not Megatron's sample for sample. ``input_ids = text[:-1]`` and ``labels = text[1:]`` are the package's shifted labels.
 With ``reset_at_eod`` positions restart after every EOD token, which also separates attention
 (boundaries are where positions restart); the label at an EOD position (the next document's first
 token) is kept unless ``eod_mask_loss``.
@@ -40,13 +42,14 @@ def parse_split(split: str) -> list[float]:
     return [v / total for v in values]
 
 
-def split_ranges(num_documents: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous document ranges per split (Megatron's rounding)."""
-    bounds = [0]
+def split_ranges(num_sequences: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous sequence ranges per split, as megatron-core bounds them: each split runs from
+    ``round(start * N)`` to ``round(end * N)`` of its cumulative fractions ``[start, end)`` over the ``N``
+    sequences (GPT data is split by sequence, not by document)."""
+    bounds, total = [0], 0.0
     for f in fractions:
-        bounds.append(bounds[-1] + int(round(f * num_documents)))
-    diff = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+        total += f
+        bounds.append(int(round(total * float(num_sequences))))
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
 
 
@@ -90,14 +93,15 @@ def _normalize(prefixes: list[str], weights: list[float]) -> tuple[list[str], li
 
 
 class GPTDataset:
-    """Fixed-length samples over the documents ``document_range`` of an indexed dataset.
+    """Fixed-length samples over the sequences ``sequence_range`` of an indexed dataset (one sequence per
+    document in text data; like Megatron, sequences are what is shuffled and split).
 
     Args:
         indexed: the :class:`IndexedDataset`.
         seq_length: tokens per sample (each sample reads ``seq_length + 1``).
         num_samples: samples wanted; epochs are added until there are enough. None: one epoch.
         seed: seed of the document and sample shuffles.
-        document_range: ``(first, last)`` document indices of this split (default: all).
+        sequence_range: ``[first, last)`` sequence indices of this split (default: all).
         reset_at_eod: restart positions (and so attention) after every ``eod_token_id``.
         eod_token_id: end-of-document token (needed for ``reset_at_eod`` / ``eod_mask_loss``).
         eod_mask_loss: no loss at positions whose input is the EOD token.
@@ -105,18 +109,18 @@ class GPTDataset:
     """
 
     def __init__(self, indexed: IndexedDataset, seq_length: int, num_samples: int | None = None, seed: int = 1234,
-                 document_range: tuple[int, int] | None = None, reset_at_eod: bool = False,
+                 sequence_range: tuple[int, int] | None = None, reset_at_eod: bool = False,
                  eod_token_id: int | None = None, eod_mask_loss: bool = False, shuffle: bool = True) -> None:
         if (reset_at_eod or eod_mask_loss) and eod_token_id is None:
             raise ValueError("reset_at_eod / eod_mask_loss need eod_token_id")
         self.indexed, self.seq_length = indexed, seq_length
         self.reset_at_eod, self.eod_token_id, self.eod_mask_loss = reset_at_eod, eod_token_id, eod_mask_loss
-        d0, d1 = document_range if document_range is not None else (0, indexed.num_documents)
-        seq_ids = np.arange(indexed.document_indices[d0], indexed.document_indices[d1], dtype=np.int64)
+        s0, s1 = sequence_range if sequence_range is not None else (0, len(indexed))
+        seq_ids = np.arange(s0, s1, dtype=np.int64)
         lengths = indexed.sequence_lengths[seq_ids].astype(np.int64)
         tokens_per_epoch = int(lengths.sum())
         if tokens_per_epoch < seq_length + 1:
-            raise ValueError(f"{indexed.path_prefix}: documents {d0}..{d1} hold {tokens_per_epoch} tokens, "
+            raise ValueError(f"{indexed.path_prefix}: sequences {s0}..{s1} hold {tokens_per_epoch} tokens, "
                              f"fewer than one sample of {seq_length + 1}")
         per_epoch = (tokens_per_epoch - 1) // seq_length
         if num_samples is None:

@@ -33,7 +33,7 @@ class PretrainDataModule(BaseDataModule):
             "prefix_b"]`` or ``[["prefix_a", "prefix_b"], null]`` (Megatron's formats; weights normalized).
         blend_per_split: ``[train_blend, valid_blend, test_blend]`` (each like ``blend`` or null); used
             instead of ``blend`` + ``split``.
-        split: document split of ``blend`` into train/valid/test, e.g. ``"969,30,1"``.
+        split: split of ``blend``'s sequences into train/valid/test, e.g. ``"969,30,1"`` (megatron-core's bounds).
         seq_length: tokens per sample.
         tokenizer: tokenizer directory or hub id, only to find the EOD (eos) token id.
         eod_token_id: EOD token id (overrides the tokenizer's eos).
@@ -118,14 +118,14 @@ class PretrainDataModule(BaseDataModule):
         members = []
         for j, (prefix, n) in enumerate(zip(prefixes, needed)):
             indexed = IndexedDataset(prefix)
-            doc_range = None
+            seq_range = None
             if fraction_range is not None:
-                doc_range = split_ranges(indexed.num_documents, fraction_range)[k]
-                if doc_range[1] <= doc_range[0]:
-                    raise ValueError(f"{prefix}: split {self.split!r} leaves no {split} documents "
-                                     f"({indexed.num_documents} documents in all)")
+                seq_range = split_ranges(len(indexed), fraction_range)[k]
+                if seq_range[1] <= seq_range[0]:
+                    raise ValueError(f"{prefix}: split {self.split!r} leaves no {split} sequences "
+                                     f"({len(indexed)} sequences in all)")
             members.append(GPTDataset(
-                indexed, self.seq_length, n, seed=self.seed + 1000 * k + j, document_range=doc_range,
+                indexed, self.seq_length, n, seed=self.seed + 1000 * k + j, sequence_range=seq_range,
                 reset_at_eod=self.reset_at_eod, eod_token_id=eod, eod_mask_loss=self.eod_mask_loss,
                 shuffle=split == "train",
             ))

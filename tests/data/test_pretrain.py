@@ -147,3 +147,34 @@ def test_mock_pretrain():
     dm = PretrainDataModule(mock=True, seq_length=32, vocab_size=100, micro_batch_size=4, train_samples=16)
     batches = list(dm.train_dataloader())
     assert len(batches) == 4 and batches[0]["input_ids"].max() < 100
+
+
+def test_split_bounds_match_megatron_core(tmp_path):
+    """Splits are sequence ranges bounded as megatron-core's builder bounds them (documents of several
+    sequences, fractions whose rounding differs per split and cumulatively)."""
+    pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefix = str(tmp_path / "multi")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as w:
+        for _ in range(10):
+            for _ in range(int(rng.integers(1, 4))):
+                w.add_item(rng.integers(1, 1000, size=int(rng.integers(20, 40))))
+            w.end_document()
+    assert len(IndexedDataset(prefix)) > IndexedDataset(prefix).num_documents
+
+    class _Tokenizer:
+        eod, pad, vocab_size, unique_identifiers = EOD, -1, 1000, {}
+
+    split = "15,15,70"
+    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=([prefix], None), split=split,
+                              tokenizer=_Tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(tmp_path / "cache"))
+    theirs = BlendedMegatronDatasetBuilder(MegatronGPTDataset, [4, 4, 4], lambda: True, config).build()
+    dm = PretrainDataModule(blend=prefix, split=split, seq_length=8)
+    dm.setup()
+    for name, megatron in zip(("train", "valid", "test"), theirs):
+        assert set(dm.datasets[name].doc_order.tolist()) == set(megatron.indices.tolist()), name
