@@ -286,9 +286,16 @@ class CausalLM(L.LightningModule):
             self.step_stats.grad_norm = norm
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        from lightning_moe.models.layers.moe import update_expert_bias
+        from lightning_moe.models.layers.moe import MoE, update_expert_bias
 
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.step_stats is not None and self.step_stats.skipped:
+            # a step skipped for non-finite gradients moves no expert bias either (the decision is the same on
+            # every rank); the routing counts of its forwards are dropped
+            for moe in self.model.modules():
+                if isinstance(moe, MoE):
+                    moe.tokens_per_expert.zero_()
+            return
         # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
         # all ranks: tensor-parallel ranks route different sequence shards, and the update only uses the sign
         update_expert_bias(self.model)

@@ -1,5 +1,5 @@
 """All callbacks with the package's CausalLM: its StepStats feed the throughput, the card's losses are the ones
-the module logged, and a skipped NaN step reaches the module as a skipped step."""
+the module logged, and a skipped NaN step reaches the module as a skipped step (no update, no expert-bias move)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from tiny_lm import MICRO_BATCH, SEQ, loader, make_trainer, tiny_config
 
 from lightning_moe.callbacks import HealthCheck, PeakMemory, RunCard, Throughput
@@ -54,3 +55,33 @@ def test_callbacks_with_causal_lm(tmp_path):
     assert card["series"]["loss"] == pytest.approx([logged[step - 1] for step in (1, 2, 3, 4)], rel=1e-6)
     assert card["skipped_steps"] == 1 and card["nan_steps"] == 1
     assert {"train/loss", "perf/step_time_s", "perf/tokens_per_s_per_gpu"} <= set(trainer.progress_bar_metrics)
+
+
+def test_a_skipped_step_moves_no_expert_bias(tmp_path):
+    """Aux-loss-free balancing: the selection biases move after every applied step, not after a skipped one."""
+    from lightning_moe.models.config import MoEConfig
+
+    class BiasLog(pl.Callback):
+        def __init__(self) -> None:
+            self.before, self.after = {}, {}
+
+        @staticmethod
+        def _biases(pl_module):
+            return [m.router.score_correction_bias.clone() for m in pl_module.model.moe_layers()]
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before[trainer.global_step + 1] = self._biases(pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after[trainer.global_step] = self._biases(pl_module)
+
+    config = tiny_config()
+    config.pattern, config.moe = "*E*-", MoEConfig(num_experts=4, top_k=2, intermediate_size=32,
+                                                    score_correction_bias=True, bias_update_rate=0.01)
+    log = BiasLog()
+    trainer = make_trainer(tmp_path, [HealthCheck(), log], max_steps=3)
+    with pytest.warns(UserWarning, match="step 2: non-finite gradients"):
+        trainer.fit(NaNAtStep2(model=config), loader())
+    changed = {step: any(not torch.equal(a, b) for a, b in zip(log.before[step], log.after[step]))
+               for step in (1, 2, 3)}
+    assert changed == {1: True, 2: False, 3: True}
