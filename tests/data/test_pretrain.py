@@ -59,6 +59,9 @@ def test_more_samples_than_an_epoch_adds_epochs(tmp_path):
     one = GPTDataset(indexed, 16, seed=3)
     three = GPTDataset(indexed, 16, num_samples=3 * len(one), seed=3)
     assert three.num_epochs >= 3 and len(three) == 3 * len(one)
+    epochs = three.doc_order.reshape(three.num_epochs, len(docs))
+    assert all(sorted(e) == list(range(len(docs))) for e in epochs.tolist())  # every document once per epoch
+    assert len({tuple(e) for e in epochs.tolist()}) == three.num_epochs  # each epoch shuffled anew
     again = GPTDataset(indexed, 16, num_samples=3 * len(one), seed=3)
     assert all(np.array_equal(three.text(i), again.text(i)) for i in range(len(three)))
     other = GPTDataset(indexed, 16, num_samples=3 * len(one), seed=4)
