@@ -91,8 +91,8 @@ def _slice(ds: Any, spec: str, path: str) -> Any:
         s = s.strip()
         if not s:
             return None
-        if s.endswith("%"):
-            return int(len(ds) * float(s[:-1]) / 100)
+        if s.endswith("%"):  # datasets' "closest" rounding
+            return int(round(float(s[:-1]) * len(ds) / 100.0))
         return int(s)
 
     return ds.select(range(len(ds))[slice(pos(parts[0]), pos(parts[1]))])

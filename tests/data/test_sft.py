@@ -196,3 +196,16 @@ def test_tokenization_workers_give_the_same_packs(tmp_path, tokenizer_path, data
     for i in range(len(one.train_dataset)):
         for k in ("input_ids", "labels", "position_ids"):
             assert np.array_equal(one.train_dataset[i][k], two.train_dataset[i][k])
+
+
+def test_save_to_disk_slices_count_rows_like_datasets(tmp_path, write_rows):
+    """A percent slice of a save_to_disk folder selects the rows datasets selects from the same file."""
+    import datasets
+
+    from lightning_moe.data.sources import load_source
+
+    path = write_rows("rows.jsonl", [{"text": str(i)} for i in range(10)])
+    datasets.load_dataset("json", data_files=path, split="train").save_to_disk(str(tmp_path / "disk"))
+    for split in ("train[:15%]", "train[15%:]", "train[:25%]", "train[-35%:]", "train[2:7]"):
+        from_file = load_source(path, split).dataset["text"]
+        assert load_source(str(tmp_path / "disk"), split).dataset["text"] == from_file, split
