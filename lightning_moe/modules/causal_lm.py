@@ -230,7 +230,8 @@ class CausalLM(L.LightningModule):
         sums = self._step_sums
         self._accumulate(sums, "loss_sum", out.loss_sum)
         self._accumulate(sums, "label_tokens", out.num_label_tokens)
-        self._accumulate(sums, "tokens", torch.tensor(tokens, device=out.loss_sum.device))
+        # a fill kernel, not torch.tensor(): a host-to-device copy would wait for the forward to finish
+        self._accumulate(sums, "tokens", torch.full((), tokens, dtype=torch.float64, device=out.loss_sum.device))
         objective = out.loss_sum
         if out.aux_loss is not None:
             # a mean-type loss: weight it by this micro-batch's share of label tokens
