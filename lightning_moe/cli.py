@@ -33,9 +33,9 @@ def default_callbacks() -> list:
 
 
 def add_missing_callbacks(callbacks: list) -> list:
-    """The default callbacks whose type the configuration did not already list (a recipe's own settings win)."""
-    present = {type(c) for c in callbacks}
-    return callbacks + [c for c in default_callbacks() if type(c) not in present]
+    """The default callbacks of a kind the configuration did not already list (a recipe's own settings, or its
+    subclass of a default, win)."""
+    return callbacks + [d for d in default_callbacks() if not any(isinstance(c, type(d)) for c in callbacks)]
 
 
 def run_training_cli(argv: list[str] | None) -> None:

@@ -59,6 +59,12 @@ def test_default_callbacks_are_added_unless_configured():
     assert kinds.count(Throughput) == 1
     assert {HealthCheck, PeakMemory, RunCard} <= set(kinds)
 
+    class MyHealthCheck(HealthCheck):
+        pass
+
+    kinds = [type(c) for c in add_missing_callbacks([MyHealthCheck()])]
+    assert HealthCheck not in kinds and kinds.count(MyHealthCheck) == 1
+
 
 def test_python_usage_from_the_readme(tmp_path):
     from lightning_moe import CausalLM, MockDataModule, ModelConfig
