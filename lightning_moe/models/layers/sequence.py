@@ -11,6 +11,19 @@ from functools import cached_property
 
 import torch
 
+_compiled_create_block_mask = None
+
+
+def create_block_mask(*args, **kwargs):
+    """torch's ``create_block_mask``, compiled once per process: run eagerly it materializes the whole
+    ``[batch, seq, seq]`` boolean mask first (gigabytes at long context), compiled it never does."""
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask as create
+
+        _compiled_create_block_mask = torch.compile(create)
+    return _compiled_create_block_mask(*args, **kwargs)
+
 
 class SequenceLayout:
     # under context parallelism, set per forward to the object that gathers the row's keys/values from the
@@ -70,8 +83,6 @@ class SequenceLayout:
         """flex_attention BlockMask for causal attention within each sequence (and window)."""
         key = ("block", window)
         if key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             docs = self.document_ids
             packed = self.packed
 
