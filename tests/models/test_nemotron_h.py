@@ -285,6 +285,24 @@ def test_mtp_forward_matches_hub_definition_and_trains(hub_checkpoint):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_mtp_losses_of_a_packed_row_are_those_of_its_sequences(hub_checkpoint):
+    """No MTP depth predicts across a packed boundary or lets a sequence see another one."""
+    _, path = hub_checkpoint
+    model = load_pretrained(path)
+    lengths = [6, 13, 2, 9]  # a 2-token sequence has no depth-2 target at all
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
+    labels = [torch.cat([s[1:], torch.tensor([-100])]) for s in seqs]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], positions, labels=torch.cat(labels)[None])
+        alone = [model(s[None], labels=y[None]) for s, y in zip(seqs, labels)]
+    for d in range(DEPTHS):
+        assert int(packed.mtp_label_tokens[d]) == sum(int(a.mtp_label_tokens[d]) for a in alone)
+        expected = sum(a.mtp_loss_sums[d] for a in alone)
+        assert packed.mtp_loss_sums[d].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_disabled_mtp_keeps_weights_and_skips_its_loss(hub_checkpoint):
     _, path = hub_checkpoint
     model = load_pretrained(path)
