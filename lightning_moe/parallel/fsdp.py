@@ -8,9 +8,15 @@ Under expert parallelism the experts are sharded by FSDP only over ``ep_shard`` 
 hold different experts), but the gradient each rank computes for its experts sums the contributions of
 tokens from all ``ep`` ranks. Dividing by the whole ``dp x cp`` size (instead of FSDP's default, the
 expert mesh size) keeps the same mean convention as the dense parameters, as torchtitan does.
+
+With gradient accumulation under HSDP, :func:`deferred_all_reduce` leaves the all-reduce across replicas to
+the last micro-batch of a step (the reduce-scatter inside a replica still runs on every micro-batch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -77,3 +83,22 @@ def _divide_gradients_by(module, factor: int, mesh) -> None:
     if dist.get_backend(shard_group) == "gloo" and shard_group.size() > 1:
         # gloo has no pre-multiplied sum: reduce with a plain sum, then divide
         module.set_force_sum_reduction_for_comms(True)
+
+
+@contextmanager
+def deferred_all_reduce(model: nn.Module) -> Iterator[None]:
+    """Backward passes run inside skip HSDP's all-reduce across replicas, for the micro-batches before the last
+    of an optimizer step. Each is still reduce-scattered inside its replica (gradients stay sharded); FSDP
+    keeps the partial sums and adds them into the next backward that all-reduces, so ``param.grad`` is
+    written only then. An FSDP group that got gradients from a deferred backward must get some from that
+    last one too (always the case when every micro-batch runs the whole model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for group in groups:
+        group.set_requires_all_reduce(False, recurse=False)
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.set_requires_all_reduce(True, recurse=False)

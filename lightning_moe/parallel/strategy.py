@@ -161,27 +161,17 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Lightning runs every micro-batch but the last of an accumulation window inside this. Under HSDP the
-        all-reduce of gradients across replicas then waits for the last micro-batch: earlier ones are only
-        reduce-scattered inside their replica (gradients stay sharded) and FSDP adds those partial sums into
-        the last micro-batch's before the one all-reduce, so ``param.grad`` is written only then. An FSDP
-        group that got gradients from an earlier micro-batch must get some from the last one too (always the
-        case when every micro-batch runs the whole model). Plain FSDP has no all-reduce to defer."""
-        modules = self._hsdp_modules()
-        for module in modules:
-            module.set_requires_all_reduce(False, recurse=False)
-        try:
+        """Lightning runs every micro-batch but the last of an accumulation window inside this: under HSDP the
+        all-reduce of gradients across replicas waits for the last one (see ``fsdp.deferred_all_reduce``).
+        Plain FSDP has no all-reduce to defer."""
+        dims, module = self._parallel_dims, self.lightning_module
+        if dims is None or dims.dp_replicate == 1 or module is None:
             yield
-        finally:
-            for module in modules:
-                module.set_requires_all_reduce(True, recurse=False)
+            return
+        from lightning_moe.parallel.fsdp import deferred_all_reduce
 
-    def _hsdp_modules(self) -> list:
-        if self._parallel_dims is None or self._parallel_dims.dp_replicate == 1 or self.lightning_module is None:
-            return []
-        from torch.distributed.fsdp import FSDPModule
-
-        return [module for module in self.lightning_module.modules() if isinstance(module, FSDPModule)]
+        with deferred_all_reduce(module):
+            yield
 
     def setup(self, trainer) -> None:
         data = getattr(trainer, "datamodule", None)

@@ -9,6 +9,7 @@ the label count is all-reduced over data-parallel x context-parallel ranks, and 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig,
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims, parallelize
 from lightning_moe.parallel.context import load_balanced_indices, shard_batch
+from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 
 ROWS, SEQ, STEPS = 4, 16, 5
@@ -78,16 +80,16 @@ def initial_state(name: str) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-def global_batches(vocab_size: int, steps: int = STEPS, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def global_batches(vocab_size: int, steps: int = STEPS, seed: int = 0, rows: int = ROWS) -> list[dict[str, torch.Tensor]]:
     """Packed rows: documents of 3-8 tokens (positions restart), no label on each document's last token,
     and a prompt without loss at the start of row 0."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
-        input_ids = torch.randint(0, vocab_size, (ROWS, SEQ), generator=gen)
+        input_ids = torch.randint(0, vocab_size, (rows, SEQ), generator=gen)
         position_ids = torch.zeros_like(input_ids)
         labels = torch.full_like(input_ids, -100)
-        for row in range(ROWS):
+        for row in range(rows):
             start = 0
             while start < SEQ:
                 length = min(int(torch.randint(3, 9, (1,), generator=gen)), SEQ - start)
@@ -100,7 +102,7 @@ def global_batches(vocab_size: int, steps: int = STEPS, seed: int = 0) -> list[d
 
 
 def local_batch(batch: dict[str, torch.Tensor], dims: ParallelDims) -> dict[str, torch.Tensor]:
-    rows = ROWS // dims.dp_size
+    rows = batch["input_ids"].shape[0] // dims.dp_size
     start = dims.dp_rank * rows
     local = {key: value[start : start + rows] for key, value in batch.items()}
     return shard_batch(local, dims.mesh("cp")) if dims.cp > 1 else local
@@ -132,21 +134,29 @@ def new_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def train(model: torch.nn.Module, batches, dims: ParallelDims | None = None, optimizer=None, first_step: int = 0,
-          run: Run | None = None) -> tuple[Run, torch.optim.Optimizer]:
+          run: Run | None = None, micro_batches: int = 1) -> tuple[Run, torch.optim.Optimizer]:
+    """``micro_batches``: each rank's rows of a step in that many backwards (gradients accumulated); under HSDP
+    the all-reduce across replicas waits for the last one, as ``ParallelStrategy`` runs it."""
     optimizer = optimizer or new_optimizer(model)
     run = run or Run()
     group = dims.mesh("dp_cp").get_group() if dims is not None else None
     reduction_size = dims.dp_cp_size if dims is not None else 1
     for step in range(first_step, len(batches)):
         batch = local_batch(batches[step], dims) if dims is not None else batches[step]
-        out = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
-        # the training module's objective: the MTP scale weighs the mean over depths
-        mtp_weight = model.config.mtp.loss_scale / len(out.mtp_loss_sums) if out.mtp_loss_sums else 0.0
-        (out.loss_sum + mtp_weight * sum(out.mtp_loss_sums, torch.zeros(()))).backward()
-        totals = torch.stack([out.loss_sum.detach(), out.num_label_tokens.to(torch.float32)])
+        totals = torch.zeros(2)
+        for index in range(micro_batches):
+            micro = {key: value.chunk(micro_batches)[index] for key, value in batch.items()}
+            last = index == micro_batches - 1
+            with nullcontext() if last or dims is None or dims.dp_replicate == 1 else deferred_all_reduce(model):
+                out = model(micro["input_ids"], micro["position_ids"], labels=micro["labels"])
+                # the training module's objective: the MTP scale weighs the mean over depths
+                mtp_weight = model.config.mtp.loss_scale / len(out.mtp_loss_sums) if out.mtp_loss_sums else 0.0
+                (out.loss_sum + mtp_weight * sum(out.mtp_loss_sums, torch.zeros(()))).backward()
+            totals += torch.stack([out.loss_sum.detach(), out.num_label_tokens.to(torch.float32)])
         if group is not None:
             dist.all_reduce(totals, group=group)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        # as in the training module, FSDP's mean over dp x cp ranks is undone
         torch._foreach_mul_(grads, reduction_size / totals[1].item())
         if dims is not None:
             norm = clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -222,17 +232,18 @@ def compare_logits(case: str, reference: Decoder, model: Decoder, batch, dims: P
 
 
 def run_layout(case: str, model: str, sizes: dict[str, int], max_state_ratio: float | None = None,
-               **options) -> list[str]:
-    """Train ``model`` with ``sizes`` and compare with the single-process run (and the logits before)."""
+               micro_batches: int = 1, **options) -> list[str]:
+    """Train ``model`` with ``sizes`` (each rank's rows of a step in ``micro_batches`` backwards) and compare
+    with the single-process run on whole global batches (and the logits before)."""
     dims = build_dims(sizes)
     state = initial_state(model)
-    batches = global_batches(tiny_config(model).vocab_size)
+    batches = global_batches(tiny_config(model).vocab_size, rows=ROWS * micro_batches)
     reference = Decoder(tiny_config(model))
     reference.load_state_dict(state)
     parallel = parallel_model(model, dims, state, **options)
-    problems = compare_logits(case, reference, parallel, batches[0], dims)
+    problems = compare_logits(case, reference, parallel, global_batches(tiny_config(model).vocab_size)[0], dims)
     expected, _ = train(reference, batches)
-    got, _ = train(parallel, batches, dims)
+    got, _ = train(parallel, batches, dims, micro_batches=micro_batches)
     problems += compare(case, expected, got)
     if model.endswith("skewed") and any(moe.tokens_per_expert[2:].sum() for moe in reference.moe_layers()):
         problems.append(f"{case}: the selection bias did not keep experts 2 and 3 (the second ep rank) idle")

@@ -3,7 +3,9 @@
 Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3- and GPT-OSS-style models on packed global batches: per-step losses
 equal the single-process run within 1e-5, gradient norms and first-step gradients match, and 2-way FSDP keeps
 at most 0.6x the single-process parameters + gradients + AdamW state per rank. Checkpoints saved on one mesh
-resume on another and continue the same loss curve. One launch per world size runs all its layouts.
+resume on another and continue the same loss curve. Gradient accumulation under HSDP (the all-reduce
+across replicas deferred to a step's last micro-batch) trains like one process on the whole global batch.
+One launch per world size runs all its layouts.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("tp x cp, selective activation checkpointing", "qwen3_moe", {"tp": 2, "cp": 2}),
          {"activation_checkpointing": "selective", "activation_checkpointing_every": 2}),
         ("run_layout", ("tp x cp, MLA", "mla_moe", {"tp": 2, "cp": 2}), {}),
-        ("run_layout", ("hsdp x ep", "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {}),
+        ("run_layout", ("hsdp x ep, 2 micro-batches per step (all-reduce across replicas deferred to the last)",
+                        "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {"micro_batches": 2}),
         ("run_layout", ("ep over dp_shard x cp", "qwen3_moe", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
                          {"dp_replicate": 2, "dp_shard": 2}, str(tmp_path / "ep-to-hsdp")), {}),
