@@ -12,7 +12,8 @@ from torch import nn
 
 @dataclass
 class OptimizerConfig:
-    """AdamW. Weight decay applies to matrices only (not norms, biases or other 1-D parameters)."""
+    """AdamW. Weight decay applies to matrices only: not to norms, biases (stacked per-expert biases included)
+    or other 1-D parameters."""
 
     lr: float = 3e-4
     weight_decay: float = 0.1
@@ -37,9 +38,10 @@ class SchedulerConfig:
 
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            # by name too: stacked expert biases ([experts, dim]) are 2-D
+            (decay if param.ndim >= 2 and not name.endswith("bias") else no_decay).append(param)
     if not decay and not no_decay:
         raise ValueError("the model has no trainable parameters (check freeze patterns and LoRA targets)")
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

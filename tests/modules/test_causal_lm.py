@@ -159,6 +159,20 @@ def test_resume_gives_identical_per_step_losses(tmp_path):
     assert resumed == full[5:]
 
 
+def test_weight_decay_skips_norms_and_biases_including_stacked_expert_biases():
+    from lightning_moe.modules.optim import build_adamw
+
+    config = tiny_moe(vocab=256)
+    config.attention.qkv_bias, config.moe.expert_bias = True, True
+    model = build_decoder(config)
+    optimizer = build_adamw(model, OptimizerConfig(weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+    assert "layers.1.moe.experts.up_proj" in decayed and "layers.0.attn.q_proj.weight" in decayed
+    assert not any(name.endswith(("bias", "norm.weight")) for name in decayed), sorted(decayed)
+    assert {"layers.1.moe.experts.up_bias", "layers.0.attn.q_proj.bias"} <= set(names.values()) - decayed
+
+
 def test_warmup_cosine_schedule_follows_megatron():
     cfg = SchedulerConfig(warmup_iters=10, lr_decay_iters=110, min_lr=1e-5)
     lr = 1e-3
