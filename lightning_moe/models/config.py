@@ -124,6 +124,21 @@ class MoEConfig:
     def shared_size(self) -> int:
         return self.shared_intermediate_size or self.intermediate_size * self.num_shared_experts
 
+    def validate(self) -> None:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelConfig.moe.top_k={self.top_k} > num_experts={self.num_experts}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"ModelConfig.moe.num_experts={self.num_experts} not divisible by n_group={self.n_group}")
+        if self.n_group > 1:
+            # groups are ranked by their two best experts; a token then picks top_k experts in topk_group groups
+            per_group = self.num_experts // self.n_group
+            if per_group < 2 or not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"ModelConfig.moe: group-limited routing needs >= 2 experts per group, 1 <= topk_group <= n_group "
+                    f"and top_k <= topk_group * experts per group; got num_experts={self.num_experts}, "
+                    f"n_group={self.n_group}, topk_group={self.topk_group}, top_k={self.top_k}"
+                )
+
 
 @dataclass
 class MambaConfig:
@@ -181,17 +196,23 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        unknown = sorted(set(self.pattern) - set(BLOCK_SYMBOLS))
-        if unknown:
-            raise ValueError(
-                f"ModelConfig.pattern {self.pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
-            )
+        patterns = {"pattern": self.pattern}
+        if self.mtp is not None and self.mtp.num_layers > 0:
+            patterns["mtp.pattern"] = self.mtp.pattern
+        for where, pattern in patterns.items():
+            unknown = sorted(set(pattern) - set(BLOCK_SYMBOLS))
+            if unknown:
+                raise ValueError(
+                    f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
+                )
+        used = "".join(patterns.values())
         needs = {"-": ("mlp", self.mlp), "E": ("moe", self.moe), "M": ("mamba", self.mamba)}
         for symbol, (key, sub) in needs.items():
-            if symbol in self.pattern and sub is None:
-                raise ValueError(f"ModelConfig.pattern contains {symbol!r} but ModelConfig.{key} is not set")
+            if symbol in used and sub is None:
+                where = "pattern" if symbol in self.pattern else "mtp.pattern"
+                raise ValueError(f"ModelConfig.{where} contains {symbol!r} but ModelConfig.{key} is not set")
         att = self.attention
-        if "*" in self.pattern and att.type == "gqa" and att.num_heads % att.num_kv_heads:
+        if "*" in used and att.type == "gqa" and att.num_heads % att.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.attention: num_heads={att.num_heads} is not a multiple of num_kv_heads={att.num_kv_heads}"
             )
@@ -200,10 +221,12 @@ class ModelConfig:
                 f"ModelConfig.attention.sliding_window_layers has {len(att.sliding_window_layers)} entries, "
                 f"the pattern has {self.pattern.count('*')} attention blocks"
             )
-        if self.moe is not None and self.moe.top_k > self.moe.num_experts:
-            raise ValueError(f"ModelConfig.moe.top_k={self.moe.top_k} > num_experts={self.moe.num_experts}")
-        if self.moe is not None and self.moe.num_experts % self.moe.n_group:
-            raise ValueError(f"ModelConfig.moe.num_experts={self.moe.num_experts} not divisible by n_group")
+        if "E" in used:
+            self.moe.validate()
+        if "M" in used and self.mamba.num_heads % self.mamba.n_groups:
+            raise ValueError(
+                f"ModelConfig.mamba: num_heads={self.mamba.num_heads} is not a multiple of n_groups={self.mamba.n_groups}"
+            )
 
     @property
     def num_blocks(self) -> int:
