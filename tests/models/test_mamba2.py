@@ -49,6 +49,16 @@ def test_chunked_scan_equals_sequential_recurrence(chunk_size):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+
+def test_chunked_scan_stays_fp32_under_autocast():
+    """bf16-mixed training runs the mixer under autocast: the scan's matmuls must not drop to bf16."""
+    x, dt, A, B, C, D = (t.float() for t in scan_inputs())
+    want = ssd_chunk_scan(x, dt, A, B, C, 16, D=D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ssd_chunk_scan(x, dt, A, B, C, 16, D=D)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
 def test_chunked_scan_restarts_at_sequence_starts_with_gradients():
     x, dt, A, B, C, D = scan_inputs(seq=40)
     # row 0: sequences of 5, 19 (crosses chunks), 16; row 1: a start exactly on a chunk boundary (16)

@@ -84,6 +84,18 @@ def test_sigmoid_group_limited_router_with_bias_matches_definition():
             assert abs(got[e] - value) < 1e-6
 
 
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_scores_stay_fp32_under_autocast(score_func):
+    """Routing decisions come from fp32 logits, also under bf16-mixed autocast."""
+    router = Router(MoEConfig(num_experts=8, top_k=2, score_func=score_func, router_bias=True), hidden_size=32)
+    router.reset_parameters(0.5)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(6))
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got.scores, want.scores) and torch.equal(got.experts, want.experts)
+
 def test_force_balanced_routing_spreads_tokens_evenly():
     cfg = MoEConfig(num_experts=4, top_k=2, force_balanced=True)
     router = Router(cfg, 8)

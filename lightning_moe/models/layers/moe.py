@@ -59,7 +59,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
         bias = None if self.bias is None else self.bias.float()
-        logits = F.linear(x.float(), self.weight.float(), bias)
+        # fp32 logits even under autocast (bf16-mixed), which would run this matmul in bf16
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float(), bias)
         scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         if cfg.force_balanced:
             slots = torch.arange(x.shape[0] * cfg.top_k, device=x.device)

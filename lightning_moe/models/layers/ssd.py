@@ -39,6 +39,12 @@ def ssd_chunk_scan(
     ``heads // groups`` heads each, ``D`` [heads] the skip weight, ``seq_idx`` [batch, seq] the sequence each
     token belongs to (None: one sequence per row). Returns fp32 [batch, seq, heads, head_dim].
     """
+    # fp32 also under autocast (bf16-mixed), which would run the matmuls of the decays in bf16
+    with torch.autocast(x.device.type, enabled=False):
+        return _ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, seq_idx)
+
+
+def _ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, seq_idx):
     batch, seq_len, heads, head_dim = x.shape
     groups = B.shape[2]
     per_group = heads // groups
