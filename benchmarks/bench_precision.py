@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+from bench_mamba import median_seconds  # alternating rounds, median (wall, CPU) seconds per step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,16 +48,6 @@ class SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.seen.values())
-
-
-def median_step(step, rounds: int) -> float:
-    step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def expert_lora(args) -> None:
@@ -92,15 +81,22 @@ def expert_lora(args) -> None:
             experts(x, counts).square().mean().backward()
         return run
 
-    rows = []
-    for name, module in (("native grouped-GEMM adapter", native), ("peft ParamWrapper", theirs.experts)):
-        with SavedBytes(module) as saved:
+    candidates = {"native grouped-GEMM adapter": native, "peft ParamWrapper": theirs.experts}
+    saved = {}
+    for name, module in candidates.items():
+        with SavedBytes(module) as bytes_saved:
             module(x, counts).square().mean().backward()
-        rows.append((name, median_step(step(module), args.rounds), saved.total))
+        saved[name] = bytes_saved.total
+    seconds = median_seconds({name: step(module) for name, module in candidates.items()}, args.rounds)
     print(f"expert LoRA: E={args.experts} hidden={args.hidden} intermediate={args.intermediate} "
-          f"tokens={args.tokens} r={args.rank}")
-    for name, seconds, saved in rows:
-        print(f"  {name:30s} {seconds * 1e3:8.1f} ms/step   {saved / 2**20:8.1f} MiB of activations saved")
+          f"tokens={args.tokens} r={args.rank}; median ms/step by wall | process CPU time")
+    for name in candidates:
+        (wall, cpu) = seconds[name]
+        print(f"  {name:30s} {wall * 1e3:8.1f} | {cpu * 1e3:8.1f} ms/step   {saved[name] / 2**20:8.1f} MiB of "
+              f"activations saved")
+    (ours_wall, ours_cpu), (peft_wall, peft_cpu) = seconds.values()
+    print(f"  {'ratio peft / native':30s} {peft_wall / ours_wall:7.2f}x | {peft_cpu / ours_cpu:7.2f}x   "
+          f"{saved['peft ParamWrapper'] / saved['native grouped-GEMM adapter']:7.2f}x")
 
 
 def fp8_overhead(args) -> None:
@@ -116,7 +112,7 @@ def fp8_overhead(args) -> None:
     def step_for(recipe):
         with torch.device("meta"):
             model = Decoder(cfg)
-        if recipe is not None:
+        if recipe != "bf16":
             apply_float8(model, Float8Config(recipe=recipe, min_dim=64))
         model.to_empty(device="cpu")
         model.init_weights()
@@ -127,11 +123,13 @@ def fp8_overhead(args) -> None:
             out.loss_sum.backward()
         return run
 
-    base = median_step(step_for(None), args.rounds)
-    print(f"emulated FP8, bf16 decoder hidden=256, 4 x 256 tokens: bf16 {base * 1e3:.1f} ms/step")
-    for recipe in RECIPES:
-        seconds = median_step(step_for(recipe), args.rounds)
-        print(f"  {recipe:20s} {seconds * 1e3:8.1f} ms/step   x{seconds / base:.2f}")
+    seconds = median_seconds({recipe: step_for(recipe) for recipe in ("bf16", *RECIPES)}, args.rounds)
+    base_wall, base_cpu = seconds["bf16"]
+    print("emulated FP8, bf16 decoder hidden=256, 4 x 256 tokens: median ms/step by wall | process CPU time, "
+          "and relative to bf16")
+    for recipe, (wall, cpu) in seconds.items():
+        print(f"  {recipe:20s} {wall * 1e3:8.1f} | {cpu * 1e3:8.1f} ms/step   x{wall / base_wall:.2f} | "
+              f"x{cpu / base_cpu:.2f}")
 
 
 def main() -> None:
