@@ -120,3 +120,15 @@ def test_overwrite_replaces_an_output_file_or_directory(tmp_path):
             (tmp / "new.txt").write_text("new")
         assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]  # no temporary left behind
+
+
+def test_cached_rotary_tables_of_old_hub_files_are_skipped(tmp_path, hf_dir):
+    """Llama-2's hub safetensors still hold each layer's ``rotary_emb.inv_freq`` buffer: not a weight."""
+    from lightning_moe.checkpoint.load import load_pretrained
+
+    reference = load_pretrained(hf_dir)
+    _edit_tensors(hf_dir, lambda t: t.update(
+        {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(8) for i in range(2)}))
+    assert convert_main(["import", "--hf-path", str(hf_dir), "--out", str(tmp_path / "native")]) == 0
+    ids = torch.randint(0, 160, (1, 12))
+    assert torch.equal(load_pretrained(tmp_path / "native")(ids), reference(ids))

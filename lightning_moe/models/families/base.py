@@ -72,8 +72,9 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     model_type: str
-    # hub tensors that carry no weights of their own (e.g. cached rotary tables); skipped on import
-    ignored_hf_tensors: tuple[str, ...] = field(default=())
+    # substrings of hub tensor names that carry no weights, skipped on import: rotary tables that transformers
+    # saved as buffers until 2023 (Llama-2's hub files hold ``model.layers.{i}.self_attn.rotary_emb.inv_freq``)
+    ignored_hf_tensors: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))
 
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
