@@ -83,6 +83,23 @@ def test_yarn_factor_defaults_to_the_context_ratio_like_transformers():
 
 
 
+
+@pytest.mark.parametrize("kind,extra", [("yarn", {"factor": 4.0}),
+                                        ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})])
+def test_missing_original_length_defaults_to_max_positions_like_transformers(kind, extra):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lightning_moe.models.families.common import rope_from_hf
+    from lightning_moe.models.layers.rope import inverse_frequencies
+
+    hf = {"max_position_embeddings": 2048, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+          "rope_parameters": {"rope_type": kind, "rope_theta": 10000.0, **extra}}
+    rope = rope_from_hf(hf, "LlamaForCausalLM")
+    expected, scale = ROPE_INIT_FUNCTIONS[kind](transformers.LlamaConfig(**hf))
+    got, got_scale = inverse_frequencies(rope, 16, 2048)
+    assert torch.allclose(got, expected) and got_scale == pytest.approx(scale)
+
 QWEN_SLIDING_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
 
 

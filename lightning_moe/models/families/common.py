@@ -29,6 +29,9 @@ def rope_from_hf(hf: dict[str, Any], architecture: str) -> RopeConfig:
             setattr(rope, key, float(params[key]))
     if params.get("original_max_position_embeddings") is not None:
         rope.original_max_position_embeddings = int(params["original_max_position_embeddings"])
+    elif kind in ("llama3", "yarn") and hf.get("max_position_embeddings") is not None:
+        # transformers' default: the model was pretrained at its full length
+        rope.original_max_position_embeddings = int(hf["max_position_embeddings"])
     if kind == "yarn" and params.get("factor") is None and rope.original_max_position_embeddings:
         # as transformers does: the context extension is the ratio of the two lengths
         rope.factor = hf["max_position_embeddings"] / rope.original_max_position_embeddings
