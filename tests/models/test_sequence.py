@@ -47,3 +47,15 @@ def test_block_mask_equals_torchs_eager_construction(window):
     got = layout.block_mask(window)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+@pytest.mark.parametrize("backend,error,message", [
+    ("te", NotImplementedError, "attention backend 'te' \\(Transformer Engine\\) is not implemented yet"),
+    ("xla", ValueError, "attention backend 'xla' is not supported \\(sdpa, flex\\)"),
+])
+def test_unavailable_attention_backends_say_so(backend, error, message):
+    from lightning_moe.models.layers.attention import attend
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(error, match=message):
+        attend(q, q, q, SequenceLayout(_positions([[4]])), backend=backend, scale=1.0)

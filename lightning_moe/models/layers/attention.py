@@ -1,4 +1,4 @@
-"""Grouped-query attention with ``sdpa`` and ``flex`` backends (and ``te`` when Transformer Engine is installed).
+"""Grouped-query attention with ``sdpa`` and ``flex`` backends (``te``, Transformer Engine, is reserved).
 
 Packed rows: the decoder builds one :class:`~lightning_moe.models.layers.sequence.SequenceLayout` per forward
 from ``position_ids``; every backend gets its masks from it, so no token attends across a sequence boundary.
@@ -64,10 +64,8 @@ def attend(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
     if backend == "te":
-        from lightning_moe.models.layers.te_attention import te_attend
-
-        return te_attend(q, k, v, layout, scale=scale, window=window)
-    raise ValueError(f"attention backend {backend!r} is not supported (sdpa, flex, te)")
+        raise NotImplementedError("attention backend 'te' (Transformer Engine) is not implemented yet; use sdpa or flex")
+    raise ValueError(f"attention backend {backend!r} is not supported (sdpa, flex)")
 
 
 def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
