@@ -1,6 +1,6 @@
 """Every GPU recipe parses through LightningCLI (``--print_config``), reproduces its published row's workload
-(GPU count, batch sizes, sequence length), fits its parallel sizes to its GPUs, model and data with the
-strategy's own checks, and, where it spells out an architecture, equals that model's hub config.json."""
+(GPU count, batch sizes, sequence length, number format), fits its parallel sizes to its GPUs, model and data with
+the strategy's own checks, and, where it spells out an architecture, equals that model's hub config.json."""
 
 from __future__ import annotations
 
@@ -62,8 +62,24 @@ def test_recipe_reproduces_its_published_row(recipe):
     data = cfg["data"]["init_args"]
     assert data["global_batch_size"] == row["global_batch_size"]
     assert data["micro_batch_size"] == row["micro_batch_size"]
-    assert data.get("seq_length") or data.get("packed_sequence_size") == row["seq_length"]
+    assert (data.get("seq_length") or data.get("packed_sequence_size")) == row["seq_length"]
     assert (ROOT / fields["CPU twin"]).is_file()
+    assert number_format(cfg) == row["precision"]
+
+
+# the FP8 recipes of an "fp8" row (an "mxfp8" row runs the mxfp8 recipe)
+FP8_RECIPES = {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+
+
+def number_format(cfg: dict) -> str:
+    """The row precision a recipe runs: its FP8 recipe, else bf16 when it computes in bf16."""
+    fp8 = (cfg["model"]["init_args"].get("fp8") or {}).get("recipe")
+    if fp8 is not None:
+        return "fp8" if fp8 in FP8_RECIPES else fp8
+    trainer = cfg["trainer"]
+    param_dtype = (trainer["strategy"].get("init_args") or {}).get("param_dtype")
+    bf16 = trainer["precision"] in ("bf16-true", "bf16-mixed") or param_dtype == "bfloat16"
+    return "bf16" if bf16 else f"{trainer['precision']} (no bf16 compute)"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
