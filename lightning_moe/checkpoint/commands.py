@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if is_run_checkpoint(args.ckpt):
                 out = export_run(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), quantize=args.quantize,
-                                 overwrite=args.overwrite)
+                                 max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
             else:
                 out = convert.export_hf_checkpoint(
                     args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,

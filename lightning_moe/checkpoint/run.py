@@ -64,12 +64,16 @@ def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, quantize: str | None = None,
-               overwrite: bool = False) -> Path:
-    """The model of a ``CausalLM`` run (native, LoRA or transformers path) -> a Hugging Face directory."""
+               max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
+    """The model of a ``CausalLM`` run (native, LoRA or transformers path) -> a Hugging Face directory.
+    ``quantize`` and ``max_shard_bytes`` apply to native runs only (the others write as ``save_pretrained`` does)."""
     from lightning_moe.models.hf import HFModelConfig
 
     checkpoint = read_run_checkpoint(ckpt)
     hparams = trained_hyperparameters(checkpoint)
+    native = not isinstance(hparams.get("model"), HFModelConfig) and hparams.get("peft") is None
+    if not native and quantize is not None:
+        raise ValueError(f"{ckpt}: quantize={quantize!r} applies to native full-weight runs, not LoRA or model.hf runs")
     if isinstance(hparams.get("model"), HFModelConfig):
         from lightning_moe.checkpoint.hf_model import export_hf_run
 
@@ -78,7 +82,9 @@ def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None =
         from lightning_moe.peft.run_export import export_lora_run
 
         return export_lora_run(ckpt, merged_out=out, dtype=dtype, overwrite=overwrite)[0]
-    return _export_native_run(ckpt, checkpoint, hparams, out, dtype=dtype, quantize=quantize, overwrite=overwrite)
+    sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    return _export_native_run(ckpt, checkpoint, hparams, out, dtype=dtype, quantize=quantize, overwrite=overwrite,
+                              **sharding)
 
 
 def _export_native_run(ckpt, checkpoint: dict[str, Any], hparams: dict[str, Any], out, **options) -> Path:

@@ -26,7 +26,9 @@ def test_fine_tuned_run_exports_its_trained_weights(tmp_path):
                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
     trainer.fit(module, datamodule=MockDataModule(seq_length=16, micro_batch_size=2, vocab_size=160,
                                                   num_val_samples=0))
-    assert convert_main(["export", "--ckpt", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert convert_main(["export", "--ckpt", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "hf"),
+                         "--max-shard-size", "100000"]) == 0
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1  # the shard size is honoured
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # the run started from a hub directory: its config.json is carried over as it was
