@@ -63,6 +63,17 @@ def flat_list_column(column: Any) -> tuple[np.ndarray, np.ndarray]:
     return flat, np.concatenate(offsets)
 
 
+def check_packing_options(packed_sequence_size: int, pad_seq_to_mult: int, packing: str, overlong: str) -> None:
+    """The packing settings, checked before any row is tokenized."""
+    if pad_seq_to_mult < 1 or packed_sequence_size < 1 or packed_sequence_size % pad_seq_to_mult:
+        raise ValueError(f"packed_sequence_size {packed_sequence_size} must be a positive multiple of "
+                         f"pad_seq_to_mult {pad_seq_to_mult}")
+    if packing not in PACKERS:
+        raise ValueError(f"packing must be one of {', '.join(PACKERS)}, got {packing!r}")
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
+
+
 def write_packed_dataset(
     output_dir: str, samples: TokenizedSamples, packed_sequence_size: int, pad_seq_to_mult: int = 1,
     pad_id: int = 0, packing: str = "ffd", overlong: str = "drop", metadata: dict[str, Any] | None = None,
@@ -78,13 +89,8 @@ def write_packed_dataset(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    check_packing_options(packed_sequence_size, pad_seq_to_mult, packing, overlong)
     psize, mult = packed_sequence_size, pad_seq_to_mult
-    if mult < 1 or psize % mult:
-        raise ValueError(f"packed_sequence_size {psize} must be a positive multiple of pad_seq_to_mult {mult}")
-    if packing not in PACKERS:
-        raise ValueError(f"packing must be one of {', '.join(PACKERS)}, got {packing!r}")
-    if overlong not in OVERLONG:
-        raise ValueError(f"overlong must be 'drop' or 'truncate', got {overlong!r}")
 
     lengths = samples.lengths
     padded = -(-lengths // mult) * mult

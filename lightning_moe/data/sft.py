@@ -23,6 +23,7 @@ from lightning_moe.data.formats import PRESETS, RowError, SampleFormat, shift_la
 from lightning_moe.data.packed_parquet import (
     PackedDataset,
     TokenizedSamples,
+    check_packing_options,
     flat_list_column,
     read_metadata,
     write_packed_dataset,
@@ -210,9 +211,7 @@ class SFTDataModule(BaseDataModule):
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if dataset is None and packed_path is None:
             raise ValueError("SFTDataModule needs `dataset` (rows to tokenize) or `packed_path` (packed folder)")
-        if pad_seq_to_mult < 1 or packed_sequence_size % pad_seq_to_mult:
-            raise ValueError(f"packed_sequence_size {packed_sequence_size} must be a multiple of "
-                             f"pad_seq_to_mult {pad_seq_to_mult}")
+        check_packing_options(packed_sequence_size, pad_seq_to_mult, packing, overlong)
         self.tokenizer_path, self.tokenizer_revision, self.revision = tokenizer, tokenizer_revision, revision
         self.dataset, self.split, self.val_dataset, self.val_split = dataset, split, val_dataset, val_split
         self.dataset_name = dataset_name

@@ -110,3 +110,18 @@ def test_failed_pack_leaves_neither_output_nor_temporary(tmp_path):
     with pytest.raises(TypeError, match="not JSON serializable"):
         write_packed_dataset(str(tmp_path / "packed"), samples, 16, metadata={"source": object()})
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"packing": "fdd"}, "packing must be one of ffd, greedy, none, got 'fdd'"),
+        ({"overlong": "cut"}, "overlong must be one of drop, truncate, got 'cut'"),
+        ({"packed_sequence_size": 1000, "pad_seq_to_mult": 16},
+         "packed_sequence_size 1000 must be a positive multiple of pad_seq_to_mult 16"),
+    ],
+)
+def test_bad_packing_options_fail_before_tokenizing(tokenizer_path, options, message):
+    """The data module refuses them at construction, not after hours of tokenization."""
+    with pytest.raises(ValueError, match=message):
+        SFTDataModule(tokenizer=tokenizer_path, dataset="never_read.jsonl", **options)
