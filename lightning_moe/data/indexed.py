@@ -212,10 +212,14 @@ class IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.finalize()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.finalize()
+        except BaseException:  # e.g. a full disk while writing the index: no temporaries left behind
+            self.abort()
+            raise
 
 
 def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterable[tuple[int, str]]:

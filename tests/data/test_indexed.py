@@ -154,3 +154,16 @@ def test_inconsistent_pointers(tmp_path):
     idx.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="inconsistent"):
         IndexedDataset(prefix)
+
+
+def test_failed_finalize_leaves_no_temporaries(tmp_path, monkeypatch):
+    import lightning_moe.data.indexed as indexed
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(indexed.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        with IndexedDatasetWriter(str(tmp_path / "ds"), dtype=np.uint16) as w:
+            w.add_document([1, 2, 3])
+    assert list(tmp_path.iterdir()) == []
