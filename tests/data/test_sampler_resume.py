@@ -16,6 +16,11 @@ class _Strategy:
         self.data_parallel_rank, self.data_parallel_size = rank, size
 
 
+class _SamplerKwargs:
+    def __init__(self, **kwargs):
+        self.distributed_sampler_kwargs = kwargs
+
+
 class _Trainer:
     """What the data modules read from a trainer: the strategy's data-parallel rank, or global rank."""
 
@@ -60,7 +65,11 @@ def test_model_parallel_peers_get_the_same_batches_dp_ranks_differ():
     other = first_batches(_Trainer(_Strategy(1, 2), global_rank=2, world_size=4))
     assert all(torch.equal(a, b) for a, b in zip(peer_a, peer_b))
     assert not any(torch.equal(a, c) for a, c in zip(peer_a, other))
-    # without the strategy attributes, the trainer's global rank and world size are used
+    # Lightning's own strategies name the data-parallel rank in distributed_sampler_kwargs (ModelParallelStrategy:
+    # its data-parallel mesh, so global rank 3 of a 2 x 2 dp x tp mesh is dp rank 1)
+    lightning_mp = first_batches(_Trainer(_SamplerKwargs(rank=1, num_replicas=2), global_rank=3, world_size=4))
+    assert all(torch.equal(a, c) for a, c in zip(lightning_mp, other))
+    # without either, the trainer's global rank and world size are used
     plain = first_batches(_Trainer(object(), global_rank=1, world_size=2))
     assert all(torch.equal(a, c) for a, c in zip(plain, other))
 
