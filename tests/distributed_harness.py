@@ -2,7 +2,8 @@
 
 ``run_distributed_test(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters (spawn, not fork:
 forked children inherit the parent's torch threads and locks), initializes a gloo process group in each,
-calls ``fn(*args)`` and re-raises the first failure in the caller with the rank and traceback. ``fn`` must
+calls ``fn(*args)`` and re-raises the first failure in the caller with the rank and traceback (the other
+ranks are stopped two seconds after a failure, rather than left waiting in a collective until the timeout). ``fn`` must
 be importable by the children, i.e. a module-level function. Each launch costs seconds of imports, so one
 launch should check several things.
 """
@@ -52,7 +53,7 @@ def _worker(rank: int, world_size: int, port: int, errors, fn, args, env: dict[s
 
 def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 300,
                          init_process_group: bool = True) -> None:
-    """Call ``fn(*args)`` on ``world_size`` gloo ranks; raise the first rank's error here.
+    """Call ``fn(*args)`` on ``world_size`` gloo ranks; raise the first error any rank hits here.
 
     The ranks see the usual launcher variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``), so a Lightning ``Trainer(devices=world_size)`` inside ``fn`` joins them as externally
@@ -68,19 +69,27 @@ def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None 
     ]
     for proc in procs:
         proc.start()
+    failures = []
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+        while not errors.empty():  # read while the writer lives: a long traceback does not fit the pipe
+            failures.append(errors.get())
+            # the other ranks may wait in a collective the failed rank never reaches: give them a moment to
+            # report their own errors, then stop them instead of waiting for the timeout
+            deadline = min(deadline, time.monotonic() + 2.0)
+        time.sleep(0.05)
     hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-    failures = []
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, trace = min(failures)
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{trace}")
+        # the first to arrive is the cause; later ones are often other ranks losing their peer
+        rank, trace = failures[0]
+        others = sorted({r for r, _ in failures[1:]} - {rank})
+        also = f" (then ranks {others})" if others else ""
+        raise AssertionError(f"rank {rank} of {world_size} failed first{also}:\n{trace}")
     if hung:
         raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout} s (a hang?)")
     bad = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode != 0]
