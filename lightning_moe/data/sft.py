@@ -136,14 +136,25 @@ def cached_packed_sft(cache_dir: str, source: str, tokenizer: Any, fmt: SampleFo
                  "format": fmt.to_dict(), "size": packed_sequence_size, "mult": pad_seq_to_mult,
                  "packing": packing, "overlong": overlong, "skip": skip_invalid_rows, "v": _CACHE_VERSION})
     path = os.path.join(cache_dir, key)
+    if _is_packed_folder(path):
+        return path
+    try:
+        build_packed_sft(path, source, tokenizer, fmt, packed_sequence_size, pad_seq_to_mult, packing, overlong,
+                         split, revision, dataset_name, num_proc, cache_dir, skip_invalid_rows)
+    except OSError:
+        # nodes sharing the cache directory (Lightning runs prepare_data once per node) build the same folder at
+        # once; the rename of whichever finishes second fails, and the folder in place is the same
+        if not _is_packed_folder(path):
+            raise
+    return path
+
+
+def _is_packed_folder(path: str) -> bool:
     try:
         read_metadata(path)
-        return path
     except (FileNotFoundError, ValueError):
-        pass
-    build_packed_sft(path, source, tokenizer, fmt, packed_sequence_size, pad_seq_to_mult, packing, overlong, split,
-                     revision, dataset_name, num_proc, cache_dir, skip_invalid_rows)
-    return path
+        return False
+    return True
 
 
 def _hash(obj: Any) -> str:

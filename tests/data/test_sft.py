@@ -209,3 +209,28 @@ def test_save_to_disk_slices_count_rows_like_datasets(tmp_path, write_rows):
     for split in ("train[:15%]", "train[15%:]", "train[:25%]", "train[-35%:]", "train[2:7]"):
         from_file = load_source(path, split).dataset["text"]
         assert load_source(str(tmp_path / "disk"), split).dataset["text"] == from_file, split
+
+
+def test_cache_built_by_another_node_at_the_same_time(tmp_path, tokenizer, data_dir, monkeypatch):
+    """Two nodes sharing the cache build the same folder; the one whose rename loses uses the winner's."""
+    import lightning_moe.data.sft as sft
+    from lightning_moe.data.sft import cached_packed_sft, make_sample_format
+
+    original = sft.build_packed_sft
+
+    def other_node_first(path, *args):
+        original(path, *args)  # the other node's copy lands first
+        raise OSError(39, "Directory not empty")  # so this node's rename fails
+
+    monkeypatch.setattr(sft, "build_packed_sft", other_node_first)
+    args = (str(tmp_path / "cache"), str(data_dir / "hellaswag_sample.jsonl"), tokenizer,
+            make_sample_format("hellaswag"), 256, 1, "ffd", "drop", "train", None, None, None, False)
+    path = cached_packed_sft(*args)
+    assert sft.PackedDataset(path).metadata["num_input_samples"] == 200
+
+    def disk_full(path, *args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sft, "build_packed_sft", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        cached_packed_sft(str(tmp_path / "other_cache"), *args[1:])
