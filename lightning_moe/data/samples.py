@@ -198,7 +198,7 @@ def _math_problem(rng: random.Random) -> tuple[str, str, str]:
         answer = str(x)
     elif kind == 1:
         name, item = rng.choice(_NAMES), rng.choice(_NOUNS)
-        n, price, paid = rng.randint(2, 15), rng.randint(2, 30), 0
+        n, price = rng.randint(2, 15), rng.randint(2, 30)
         paid = n * price + rng.randint(0, 50)
         problem = (f"{name} buys {n} {item}s that cost ${price} each and pays with ${paid}. "
                    f"How much change does {name} receive?")
