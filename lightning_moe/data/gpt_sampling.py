@@ -175,15 +175,14 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     """``(dataset_index, dataset_sample_index)`` of length ``size`` interleaving datasets by weight.
 
     Dataset ``k``'s ``j``-th sample is placed at "time" ``(j + 0.5) / w_k`` and all samples are taken
-    in time order (stride scheduling), so every prefix of the blend is within one sample per dataset
-    of its target proportions.
+    in time order (stride scheduling), so every prefix of the blend holds each dataset's share to within
+    ``0.5 + K / 2`` samples for ``K`` datasets (not Megatron's greedy order, the same proportions).
     """
     w = np.asarray(weights, dtype=np.float64)
     times, ids, counts = [], [], []
-    for k, wk in enumerate(w):
-        if wk <= 0:
+    for k, (wk, n) in enumerate(zip(w, blended_samples_needed(weights, size))):
+        if n == 0:
             continue
-        n = int(math.ceil(wk * size)) + 1
         times.append((np.arange(n) + 0.5) / wk)
         ids.append(np.full(n, k, dtype=np.int64))
         counts.append(np.arange(n, dtype=np.int64))
