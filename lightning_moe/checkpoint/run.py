@@ -29,7 +29,8 @@ def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         return _read_distributed_checkpoint(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # memory-mapped: tensors are paged in when used, so optimizer states an export never reads stay on disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
 
 
