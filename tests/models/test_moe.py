@@ -122,3 +122,26 @@ def test_balancing_state_survives_a_bf16_cast():
     update_expert_bias(moe)
     moved = moe.router.score_correction_bias - 0.5
     assert moved.abs().max().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_equals_megatrons(score_func):
+    """Megatron-core's switch load-balancing loss: fractions from the plain top-k of the (normalized) scores,
+    not from the expert bias and group limits that pick the experts tokens are sent to."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+
+    cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=8, score_func=score_func, aux_loss_coeff=1e-2,
+                    score_correction_bias=score_func == "sigmoid", n_group=4, topk_group=2)
+    moe = MoE(cfg, hidden_size=16).train()
+    moe.reset_parameters(0.5)
+    if cfg.score_correction_bias:
+        moe.router.score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    x = torch.randn(40, 16, generator=torch.Generator().manual_seed(7))
+    moe(x)
+    logits = x @ moe.router.weight.T
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, 2, score_func)
+    expected = switch_load_balancing_loss_func(scores, routing_map.sum(0), 40, 2, 8, 1e-2)
+    assert moe.aux_loss.item() == pytest.approx(expected.item(), rel=1e-5)

@@ -87,13 +87,15 @@ class Router(nn.Module):
         return grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
 
 
-def load_balancing_loss(routing: Routing, num_experts: int, top_k: int, score_func: str) -> torch.Tensor:
-    """Switch-style auxiliary loss ``E * sum_i f_i * P_i`` (f: routed fraction, P: mean probability)."""
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.scores.dtype)
-    fraction = counts / routing.experts.numel()
-    probs = routing.scores
+def load_balancing_loss(scores: torch.Tensor, num_experts: int, top_k: int, score_func: str) -> torch.Tensor:
+    """Megatron's switch loss ``E * sum_i f_i * P_i``: ``P_i`` the mean score of expert i (sigmoid scores
+    normalized per token), ``f_i`` its share of the top-k slots *by those scores*, as Megatron-core counts them,
+    not by the expert bias and group limits that choose where tokens go."""
+    probs = scores
     if score_func == "sigmoid":
         probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    fraction = torch.bincount(chosen.flatten(), minlength=num_experts).to(probs.dtype) / chosen.numel()
     return num_experts * torch.sum(fraction * probs.mean(dim=0))
 
 
@@ -234,7 +236,7 @@ class MoE(nn.Module):
                 self.tokens_per_expert += torch.bincount(routing.experts.flatten(), minlength=self.cfg.num_experts)
             if self.cfg.aux_loss_coeff > 0:
                 self.aux_loss = self.cfg.aux_loss_coeff * load_balancing_loss(
-                    routing, self.cfg.num_experts, self.cfg.top_k, self.cfg.score_func
+                    routing.scores, self.cfg.num_experts, self.cfg.top_k, self.cfg.score_func
                 )
         routed_in = self.fc1_latent_proj(tokens) if self.cfg.latent_size else tokens
         sorted_x, counts, state = self.dispatcher.dispatch(routed_in, routing, self.cfg.num_experts)
