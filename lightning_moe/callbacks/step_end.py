@@ -65,8 +65,17 @@ def data_parallel_size(trainer: pl.Trainer) -> int:
 
 def max_over_ranks(values: torch.Tensor) -> torch.Tensor:
     """Elementwise maximum over every rank (a no-op in a single process)."""
+    return _all_reduce(values, torch.distributed.ReduceOp.MAX)
+
+
+def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum over every rank (a no-op in a single process)."""
+    return _all_reduce(values, torch.distributed.ReduceOp.SUM)
+
+
+def _all_reduce(values: torch.Tensor, op) -> torch.Tensor:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(values, op=op)
     return values
 
 

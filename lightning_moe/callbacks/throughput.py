@@ -6,9 +6,10 @@ H200, and counts FLOPs per sample instead of from the real packed sequence lengt
 - Step time: from the end of one optimizer step to the end of the next (the first step from its first
   micro-batch), validation excluded. Data loading and checkpoint writes that fall between steps count.
 - Tokens: all tokens of the global batch, padding included, and the label tokens, from the module's
-  ``StepStats`` (or counted on this rank's micro-batches x data-parallel size).
-- Model FLOPs: :mod:`lightning_moe.models.flops` on every micro-batch this rank sees (its real packed lengths
-  and label tokens), x data-parallel size. Models without a ``ModelConfig`` count 6 x parameters per token.
+  ``StepStats`` (or counted on each rank's micro-batches and summed over the data-parallel ranks).
+- Model FLOPs: :mod:`lightning_moe.models.flops` on every micro-batch each rank sees (its real packed lengths
+  and label tokens), summed over the data-parallel ranks once per step (packed rows make them differ).
+  Models without a ``ModelConfig`` count 6 x parameters per token.
 - Per GPU: divided by the world size (TP, CP and EP peers included). MFU: per-GPU FLOP/s / device peak.
 
 Logged values are averages over the last ``window`` steps after ``warmup_steps``; per-step values are kept
@@ -27,7 +28,13 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_moe.callbacks.peak_flops import lookup_peak_flops, matmul_precision
-from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, data_parallel_size, step_stats
+from lightning_moe.callbacks.step_end import (
+    StepEndCallback,
+    StepSeries,
+    data_parallel_size,
+    step_stats,
+    sum_over_ranks,
+)
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import batch_flops
 from lightning_moe.models.layers.loss import IGNORE_INDEX
@@ -172,13 +179,16 @@ class Throughput(StepEndCallback):
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         now = time.perf_counter()
         stats = step_stats(trainer, pl_module)
-        dp = self.data_parallel_size
+        local = torch.tensor([self._flops, self._tokens, self._label_tokens], dtype=torch.float64,
+                             device=pl_module.device)
+        # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
+        flops, tokens, label_tokens = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
         speed = StepSpeed(
             step=trainer.global_step,
             step_time_s=max(now - self._step_start, 1e-9),
-            tokens=stats.tokens if stats is not None else self._tokens * dp,
-            label_tokens=stats.label_tokens if stats is not None else self._label_tokens * dp,
-            flops=self._flops * dp,
+            tokens=stats.tokens if stats is not None else round(tokens),
+            label_tokens=stats.label_tokens if stats is not None else round(label_tokens),
+            flops=flops,
         )
         self._step_start = now
         self._reset_step()

@@ -14,8 +14,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from parallel_cases import LOSS_TOLERANCE, full, tiny_config
 
 from lightning_moe import ParallelStrategy
+from lightning_moe.callbacks import Throughput
 from lightning_moe.data import MockDataModule
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.flops import batch_flops
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.parallel import ParallelDims
@@ -86,14 +88,13 @@ class AccumulationProbe(CausalLM):
         self.initial = {name: full(p).detach().clone() for name, p in self.model.named_parameters()}
         self.first_batches, self.grads_written, self.first_grads = {}, [], {}
 
-    def training_step(self, batch, batch_idx):
-        batch = dict(batch, labels=batch["labels"].clone())
+    def on_train_batch_start(self, batch, batch_idx):
+        # in place, so that callbacks see the same labels
         dp_rank = self.trainer.strategy.data_parallel_rank  # tensor-parallel peers share the batch
         batch["labels"][:, : 3 * dp_rank + 2 * batch_idx + 1] = -100
+        batch.pop("num_label_tokens", None)
         if self.trainer.global_step == 0:
-            kept = {k: v.clone() for k, v in batch.items() if k != "num_label_tokens"}
-            self.first_batches[(dp_rank, batch_idx)] = kept
-        return super().training_step(batch, batch_idx)
+            self.first_batches[(dp_rank, batch_idx)] = {k: v.clone() for k, v in batch.items()}
 
     def on_after_backward(self) -> None:
         self.grads_written.append(any(p.grad is not None for p in self.model.parameters()))
@@ -114,13 +115,13 @@ class AllReduceEveryMicroBatch(ParallelStrategy):
 
 def fit_accumulated(sizes: dict, root: Path, strategy_class: type = ParallelStrategy,
                     steps: int = 3) -> tuple[AccumulationProbe, list]:
-    """``steps`` steps of two micro-batches each (gradient clipping at 0.5)."""
+    """``steps`` steps of two micro-batches each (gradient clipping at 0.5), with the Throughput callback."""
     recorder = StepRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy=strategy_class(**sizes),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=root, limit_val_batches=0, gradient_clip_val=0.5,
-        callbacks=[recorder],
+        callbacks=[recorder, Throughput()],
     )
     module = AccumulationProbe(model=tiny_config("qwen3_moe"), optimizer=OptimizerConfig(lr=3e-3))
     dp = ParallelDims(**sizes, world_size=int(os.environ["LOCAL_WORLD_SIZE"])).dp_size
@@ -133,7 +134,8 @@ def fit_accumulated(sizes: dict, root: Path, strategy_class: type = ParallelStra
 
 def check_first_step_against_one_process(probe: AccumulationProbe, first_loss: float) -> None:
     """The first step's loss and gradients are those of one process on the whole global batch: the sum of its
-    token losses over its label tokens."""
+    token losses over its label tokens. Throughput counts the global batch's tokens, label tokens and model
+    FLOPs once (not once per rank) and divides them by the world size per GPU."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, probe.first_batches)
     batches = {key: batch for rank_batches in gathered for key, batch in rank_batches.items()}
@@ -146,6 +148,12 @@ def check_first_step_against_one_process(probe: AccumulationProbe, first_loss: f
         total, labels = total + out.loss_sum, labels + int(out.num_label_tokens)
     (total / labels).backward()
     assert abs(first_loss - total.item() / labels) <= LOSS_TOLERANCE, (first_loss, total.item() / labels)
+    speed = next(cb for cb in probe.trainer.callbacks if isinstance(cb, Throughput)).history.values()[0]
+    flops = sum(batch_flops(reference.config, b["position_ids"], b["labels"]) for b in batches.values())
+    assert (speed.tokens, speed.label_tokens) == (GLOBAL_ROWS * SEQ, labels), speed
+    assert abs(speed.flops - flops) <= 1e-9 * flops, (speed.flops, flops)
+    per_gpu = speed.rates(dist.get_world_size(), None)["tokens_per_s_per_gpu"]
+    assert abs(per_gpu * speed.step_time_s * dist.get_world_size() - GLOBAL_ROWS * SEQ) < 1e-6
     for name, param in reference.named_parameters():
         assert torch.allclose(probe.first_grads[name], param.grad, rtol=1e-4, atol=1e-7), name
 
