@@ -353,6 +353,17 @@ def hf_converters(fp8=None, peft=None, freeze: list[str] | None = None) -> Calla
     return convert
 
 
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """``model.to_empty(device)`` that keeps tied parameters tied (an output layer sharing the input embedding):
+    plain ``to_empty`` gives each module its own new tensor, and the checkpoint fills only the embedding's."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # new storage, same Parameter objects
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device | str) -> None:
     for name, value in buffers.items():
         path, _, leaf = name.rpartition(".")
@@ -378,7 +389,7 @@ def build_hf_model(
     if parallelize is not None:
         parallelize(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    model.to_empty(device=device)
+    materialize(model, device)
     _restore_buffers(model, buffers, device)
     from lightning_moe.checkpoint.hf_model import load_hf_weights
 

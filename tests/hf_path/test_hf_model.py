@@ -57,6 +57,22 @@ def test_weights_stream_in_as_from_pretrained_loads_them(next_dir, tmp_path):
     assert set(model.layers) == {"hf.model.layers.0", "hf.model.layers.1"}
 
 
+def test_tied_output_layer_stays_the_input_embedding(tmp_path):
+    """Checkpoints of tied models hold only the embedding; the output layer must be that same tensor after
+    materialization, not an untied copy left uninitialized."""
+    import transformers as t
+
+    config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    directory = save_tiny(config, tmp_path)
+    assert "lm_head.weight" not in load_file(directory / "model.safetensors")
+    model = build_hf_model(HFModelConfig(hf=str(directory), native="never"))
+    assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+    data = batch()
+    torch.testing.assert_close(model(data["input_ids"]), reference(directory)(data["input_ids"], use_cache=False).logits,
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("architecture", ["qwen3_next", "kimi_linear"])
 def test_loss_sums_gradients_and_aux_loss_match_transformers(architecture, next_dir, tmp_path):
     directory = next_dir if architecture == "qwen3_next" else save_tiny(kimi_linear_config(), tmp_path)
