@@ -21,3 +21,11 @@ def reduce_scatter_autograd(tensor: torch.Tensor, dim: int, group) -> torch.Tens
 
     scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
     return scatter(tensor.contiguous(), "sum", dim, group)
+
+
+def all_to_all_autograd(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows ``input_splits[r]`` of ``tensor`` go to rank ``r`` of ``group``; ``output_splits[r]`` rows arrive from
+    it. The backward sends the gradients back the same way."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(tensor, output_splits, input_splits, group)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe.models.layers.moe import MoE, Routing, TokenDispatcher
+from lightning_moe.parallel.collectives import all_to_all_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
 
 
@@ -35,8 +36,6 @@ class AllToAllDispatcher(TokenDispatcher):
         self.num_local_experts = num_local_experts
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         sorted_x, counts, local_state = super().dispatch(x, routing, num_experts)
         # received[r, e]: rows that rank r sends to local expert e of this rank
         received = torch.empty_like(counts)
@@ -45,7 +44,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # the split sizes go to the host once (one sync for both)
         sent = counts.view(self.ranks, self.num_local_experts).sum(dim=1)
         send_splits, recv_splits = torch.stack([sent, received.sum(dim=1)]).tolist()
-        arrived = all_to_all_single_autograd(sorted_x, recv_splits, send_splits, self.group)
+        arrived = all_to_all_autograd(sorted_x, recv_splits, send_splits, self.group)
         # rows arrive grouped by source rank, then expert: regroup them by expert for the grouped GEMM
         expert_of_row = torch.arange(self.num_local_experts, device=x.device).repeat(self.ranks)
         expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten(), output_size=sum(recv_splits))
@@ -54,12 +53,10 @@ class AllToAllDispatcher(TokenDispatcher):
         return arrived[by_expert], received.sum(dim=0), state
 
     def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         local_state, by_expert, send_splits, recv_splits = state
         by_source = torch.empty_like(by_expert)
         by_source[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
-        returned = all_to_all_single_autograd(out[by_source], send_splits, recv_splits, self.group)
+        returned = all_to_all_autograd(out[by_source], send_splits, recv_splits, self.group)
         return super().combine(returned, routing, local_state, num_tokens)
 
 
