@@ -60,13 +60,17 @@ def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:
         heads = getattr(text, key, None)
         if heads is not None and heads % tp:
             raise ValueError(f"tp={tp} does not divide {key}={heads} of {name}; use a tp that divides it")
+    # a tied parameter (output layer = input embedding) is sharded once, under its first name; both styles split
+    # the vocabulary rows, and the other module still gets its forward
+    owned = {name for name, _ in hf_model.named_parameters()}
     expanded = {}
     for module_name, module in hf_model.named_modules():
         style = plan.get(replace_layer_number_by_wildcard(module_name))
         if style is None:
             continue
         for param_name, _ in module.named_parameters(recurse=False):
-            expanded[f"{module_name}.{param_name}"] = style
+            if f"{module_name}.{param_name}" in owned:
+                expanded[f"{module_name}.{param_name}"] = style
         expanded[module_name] = style
     return expanded
 
@@ -106,6 +110,8 @@ def parallelize_hf(
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
+        # sharding replaced the tied parameter in its first module only: tie the others to the sharded one again
+        model.hf.tie_weights(recompute_mapping=False)
     apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         from lightning_moe.parallel.fsdp import apply_fsdp

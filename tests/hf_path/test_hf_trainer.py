@@ -75,6 +75,29 @@ def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_pat
 
 
 @pytest.mark.distributed
+def test_tensor_parallel_splits_a_tied_output_layer_once(tmp_path):
+    """The output layer is the input embedding: one vocabulary-split parameter under both names, so the loss and
+    every gradient equal one process."""
+    import transformers as t
+
+    from lightning_moe.models.hf import HFModelConfig, build_hf_model
+
+    config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    model_dir = str(save_tiny(config, tmp_path / "tied"))
+    run_distributed_test(trainer_cases.tensor_parallel_gradients, 2, model_dir, str(tmp_path / "tp.pt"))
+    split = torch.load(tmp_path / "tp.pt", weights_only=True)
+    assert split["tied"]
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
+    data = batch()
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    torch.testing.assert_close(split["loss"], loss.detach(), rtol=1e-6, atol=1e-5)
+    for name, param in model.hf.named_parameters():
+        torch.testing.assert_close(split["grads"][name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
 def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path):
     import transformers as t
 

@@ -1,5 +1,6 @@
 """Both sides of the Trainer-level generic-path tests: ``CausalLM(model=HFModelConfig(...))`` + ``MockDataModule``
-on one process (the reference) and under ``ParallelStrategy`` on externally launched gloo ranks."""
+on one process (the reference) and under ``ParallelStrategy`` on externally launched gloo ranks; and the worker side
+of a model-level tensor-parallel check."""
 
 from __future__ import annotations
 
@@ -82,3 +83,22 @@ def fit_tensor_parallel(model_dir: str, root: str) -> None:
     sharded = {n for n, p in module.model.hf.named_parameters() if type(p).__name__ == "DTensor"}
     if dist.get_rank() == 0:
         (Path(root) / "losses.json").write_text(json.dumps({"losses": losses, "sharded": sorted(sharded)}))
+
+
+def tensor_parallel_gradients(model_dir: str, out: str) -> None:
+    """One loss and backward of a fixed batch under 2-way tensor parallelism with the model's own plan (transformers'
+    path forced): the loss sum, every full gradient, and whether a tied output layer is still the embedding."""
+    from lightning_moe.models.hf import build_hf_model
+    from lightning_moe.parallel import ParallelDims
+    from lightning_moe.parallel.hf import parallelize_hf
+
+    dims = ParallelDims(tp=2, world_size=2)
+    dims.build_meshes("cpu")
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+    data = batch()
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.hf.named_parameters()}
+    tied = model.hf.get_output_embeddings().weight is model.hf.get_input_embeddings().weight
+    if dist.get_rank() == 0:
+        torch.save({"loss": loss.detach(), "grads": grads, "tied": tied}, out)
