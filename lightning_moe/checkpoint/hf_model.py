@@ -79,8 +79,13 @@ def load_hf_weights(hf_model: nn.Module, directory: str | Path) -> int:
             loaded.add(name)
             yield name, tensor
 
-    count = copy_tensors_into(hf_model, tensors())
-    tied = set(getattr(hf_model, "all_tied_weights_keys", None) or {})
+    try:
+        count = copy_tensors_into(hf_model, tensors())
+    finally:
+        reader.close()
+    # a tied tensor needs no checkpoint entry only while it really is its source (else it was never loaded)
+    tied = {target for target, source in (getattr(hf_model, "all_tied_weights_keys", None) or {}).items()
+            if hf_model.get_parameter(target) is hf_model.get_parameter(source)}
     optional = _ignored(getattr(hf_model, "_keys_to_ignore_on_load_missing", None))
     missing = sorted(n for n in hf_model.state_dict() if n not in loaded and n not in tied
                      and ".lora_" not in n and not (optional is not None and optional.search(n)))
@@ -89,7 +94,6 @@ def load_hf_weights(hf_model: nn.Module, directory: str | Path) -> int:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"{directory}: the checkpoint has no tensor for {', '.join(missing[:3])}{more} of "
                          f"{type(hf_model).__name__}; a partial checkpoint would start those weights at random")
-    reader.close()
     return count
 
 
