@@ -40,7 +40,7 @@ def hf_config(family: str, seq: int):
         return t.GptOssConfig(
             vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=32, num_local_experts=16, num_experts_per_tok=4, sliding_window=128,
-            max_position_embeddings=4 * seq,
+            max_position_embeddings=131072,  # the hub value: YaRN factor 32 over 4096 positions
         )
     raise ValueError(f"unknown family {family!r} (deepseek_v3, gpt_oss)")
 

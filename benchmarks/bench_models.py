@@ -8,7 +8,7 @@ weights + gradients + AdamW state every implementation must hold.
     python benchmarks/bench_models.py                 # both workloads
     python benchmarks/bench_models.py --steps 5 --workloads dense
 
-Targets (issue): native >= 1.3x tokens/s and <= 0.8x peak memory of transformers.
+Targets: native >= 1.3x tokens/s and <= 0.8x peak memory of transformers.
 """
 
 from __future__ import annotations
