@@ -3,7 +3,7 @@
 #   make test         run the test suite
 VENV ?= .venv
 PYTHON ?= python3
-# the CPU build of torch; set TORCH_SPEC to another requirement for GPU machines
+# the torch requirement, installed first; the build (CPU or a CUDA version) is whichever pip's indexes offer
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
