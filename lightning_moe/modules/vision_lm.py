@@ -70,6 +70,14 @@ class VisionLM(CausalLM):
         # CausalLM recorded its own arguments too: drop those this class does not take, so checkpoints rebuild it
         self.save_hyperparameters(ignore=["pretrained", "mtp_loss_scale"])
 
+    def _route_hf(self) -> None:
+        """Always through transformers: an architecture with a native family is text-only."""
+        from lightning_moe.models.hf import native_checkpoint_dir
+
+        if self.model_config.native != "never" and native_checkpoint_dir(self.model_config) is not None:
+            raise ValueError(f"model.hf={self.model_config.hf!r} is a text-only architecture; VisionLM trains "
+                             f"image-text-to-text checkpoints (use CausalLM for this one)")
+
     def setup(self, stage: str) -> None:
         """Before any weight is read: the data module's processor must belong to the model."""
         processor = getattr(getattr(self.trainer, "datamodule", None), "processor", None)

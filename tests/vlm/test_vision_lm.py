@@ -129,6 +129,14 @@ def test_processor_that_does_not_match_the_model_is_refused(vlm_dir, tmp_path):
         VisionLM(model=HFModelConfig(hf=str(vlm_dir), native="always"))._route_hf()
 
 
+def test_text_only_checkpoint_is_refused(tmp_path):
+    from tiny_hf import save_tiny
+
+    llama = save_tiny("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="is a text-only architecture; VisionLM trains image-text-to-text checkpoints"):
+        VisionLM(model=HFModelConfig(hf=str(llama)))._route_hf()
+
+
 def test_run_checkpoint_exports_the_image_text_to_text_model(tmp_path):
     """Qwen3.5's model type has a causal-LM class (text only) and an image-text-to-text class: the export of a
     VisionLM run rebuilds the run's class and writes the trained vision tower too."""
