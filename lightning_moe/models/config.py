@@ -168,6 +168,8 @@ class MTPConfig:
     loss_scale: float = 0.3  # weight of the mean MTP loss over depths (Megatron's mtp_loss_scaling_factor)
     # keep the MTP weights (they round-trip through checkpoints) but skip their compute and loss
     enabled: bool = True
+    # the hub's MTP layers hold copies of the embedding and output layer (DeepSeek-V3, GLM-4.5; not GLM-4.6)
+    hub_weight_copies: bool = True
 
 
 @dataclass

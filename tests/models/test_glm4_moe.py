@@ -68,9 +68,10 @@ def test_import_export_is_bitwise(tmp_path, dtype):
     check_bitwise_round_trip("glm4_moe", tmp_path, dtype)
 
 
-def test_mtp_layer_round_trip_is_bitwise(tmp_path):
+@pytest.mark.parametrize("weight_copies", [True, False], ids=["glm4.5", "glm4.6-no-copies"])
+def test_mtp_layer_round_trip_is_bitwise(tmp_path, weight_copies):
     hf_dir = save_tiny("glm4_moe", tmp_path / "hf")
-    add_mtp_layer(hf_dir, "glm4_moe")
+    add_mtp_layer(hf_dir, "glm4_moe", weight_copies=weight_copies)
     report = round_trip(hf_dir, tmp_path)
     assert report.ok, report.summary()
     assert report.tensors == len(SafetensorsDir(hf_dir).keys())

@@ -66,10 +66,12 @@ def save_tiny(name: str, path: Path, dtype: torch.dtype = torch.float32) -> Path
     return path
 
 
-def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict[str, torch.Tensor]:
+def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 1,
+                  weight_copies: bool = True) -> dict[str, torch.Tensor]:
     """Write a DeepSeek-style MTP layer ``model.layers.{L}`` next to a saved tiny model, as the hub stores it:
-    enorm, hnorm, eh_proj, one full decoder layer (here a transformers decoder layer), ``shared_head.norm`` and
-    copies of the embedding and output layer. Returns the tensors written."""
+    enorm, hnorm, eh_proj, one full decoder layer (here a transformers decoder layer), ``shared_head.norm`` and,
+    with ``weight_copies`` (DeepSeek-V3, GLM-4.5; GLM-4.6 has none), copies of the embedding and output layer.
+    Returns the tensors written."""
     import transformers as t
     from safetensors import safe_open
 
@@ -84,8 +86,6 @@ def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, s
     prefix = f"model.layers.{layer_index}"
     hidden = config.hidden_size
     tensors = {
-        f"{prefix}.embed_tokens.weight": embed.clone(),
-        f"{prefix}.shared_head.head.weight": head.clone(),
         f"{prefix}.enorm.weight": 1 + 0.1 * torch.randn(hidden),
         f"{prefix}.hnorm.weight": 1 + 0.1 * torch.randn(hidden),
         f"{prefix}.eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden),
@@ -103,6 +103,8 @@ def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, s
             if key.startswith("model.layers.0."):
                 tensors[prefix + key.removeprefix("model.layers.0")] = f.get_tensor(key)
     shutil.rmtree(hf_dir / "scratch")
+    if weight_copies:
+        tensors.update({f"{prefix}.embed_tokens.weight": embed.clone(), f"{prefix}.shared_head.head.weight": head.clone()})
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(hf_dir / "mtp.safetensors"), metadata={"format": "pt"})
     return tensors

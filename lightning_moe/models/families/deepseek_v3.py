@@ -77,6 +77,8 @@ def mtp_from_checkpoint(cfg: ModelConfig, tensor_names: Collection[str]) -> Mode
     first = f"model.layers.{cfg.pattern.count('*')}."
     if cfg.mtp is not None and not any(name.startswith(first) for name in tensor_names):
         cfg.mtp = None
+    elif cfg.mtp is not None:
+        cfg.mtp.hub_weight_copies = f"{first}embed_tokens.weight" in tensor_names
     return cfg
 
 
@@ -218,8 +220,9 @@ def backbone_and_mtp_maps(cfg: ModelConfig, attention: AttentionMaps) -> list[Te
     layers = len(cfg.pattern) // 2
     depths = cfg.mtp.num_layers if cfg.mtp else 0
     mtp_layers = [f"model.layers.{layers + d}" for d in range(depths)]
-    embed_copies = ["model.embed_tokens.weight"] + [f"{hub}.embed_tokens.weight" for hub in mtp_layers]
-    head_copies = [f"{hub}.shared_head.head.weight" for hub in mtp_layers]
+    copies = mtp_layers if depths and cfg.mtp.hub_weight_copies else []
+    embed_copies = ["model.embed_tokens.weight"] + [f"{hub}.embed_tokens.weight" for hub in copies]
+    head_copies = [f"{hub}.shared_head.head.weight" for hub in copies]
     if cfg.tie_embeddings:
         maps = [identical_copies("embed.weight", embed_copies + head_copies)]
     else:
