@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_moe.data.tokenizer import chat_tokens_and_assistant_spans
+from lightning_moe.models.layers.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 FORMATS = ("messages", "prompt_completion", "hellaswag")
 HELLASWAG_COLUMNS = ("ctx", "endings", "label")
 

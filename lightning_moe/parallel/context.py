@@ -96,7 +96,7 @@ class ContextParallelRow:
         """flex_attention BlockMask of the same rule."""
         key = ("block", window)
         if key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
+            from lightning_moe.models.layers.sequence import create_block_mask
 
             query_index, key_index = self.query_index, self.key_index
             query_docs, key_docs = self.query_documents, self.key_documents
