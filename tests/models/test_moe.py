@@ -145,3 +145,32 @@ def test_aux_loss_equals_megatrons(score_func):
     routing_map, scores = compute_routing_scores_for_aux_loss(logits, 2, score_func)
     expected = switch_load_balancing_loss_func(scores, routing_map.sum(0), 40, 2, 8, 1e-2)
     assert moe.aux_loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("output_router_logits", [True, False])
+def test_aux_loss_from_a_hub_config_matches_transformers(tmp_path, output_router_logits):
+    """transformers adds router_aux_loss_coef * its load-balancing loss only with output_router_logits; with one
+    MoE layer the translated coefficient gives exactly that loss."""
+    import transformers
+
+    from lightning_moe.checkpoint.load import load_pretrained
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, output_router_logits=output_router_logits,
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(config).train()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    native = load_pretrained(tmp_path).train()
+    ids = torch.randint(0, 64, (2, 10))
+    out = native(ids, labels=ids)
+    if not output_router_logits:
+        assert native.config.moe.aux_loss_coeff == 0.0 and out.aux_loss is None
+        return
+    expected = 0.02 * hf(ids, output_router_logits=True).aux_loss
+    assert out.aux_loss.item() == pytest.approx(expected.item(), rel=1e-5)

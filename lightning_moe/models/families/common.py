@@ -194,3 +194,22 @@ def check_llama_style_pattern(cfg: ModelConfig, family: str) -> None:
     pairs = [cfg.pattern[i : i + 2] for i in range(0, len(cfg.pattern), 2)]
     if len(cfg.pattern) % 2 or any(p[0] != "*" or p[1] not in "-E" for p in pairs):
         raise ValueError(f"{family}: pattern {cfg.pattern!r} must be (attention, MLP or MoE) pairs like '*-*E'")
+
+
+def aux_loss_coeff_from_hf(hf: dict[str, Any], cfg: ModelConfig) -> float:
+    """Our coefficient for transformers' ``router_aux_loss_coef``.
+
+    transformers adds its load-balancing loss only with ``output_router_logits``, as one loss over the tokens of
+    all layers, whose routed fractions count each of the ``top_k`` slots; ours is Megatron's, per layer, fractions
+    normalized by ``top_k`` and summed over the layers. The same strength is ``coef * top_k / moe_layers``.
+    """
+    if not hf.get("output_router_logits"):
+        return 0.0
+    return float(hf.get("router_aux_loss_coef") or 0.0) * cfg.moe.top_k / max(cfg.pattern.count("E"), 1)
+
+
+def aux_loss_coeff_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """``router_aux_loss_coef`` / ``output_router_logits`` for our ``moe.aux_loss_coeff`` (see above)."""
+    moe = cfg.moe
+    coef = moe.aux_loss_coeff * max(cfg.pattern.count("E"), 1) / moe.top_k
+    return {"router_aux_loss_coef": coef, "output_router_logits": moe.aux_loss_coeff > 0}

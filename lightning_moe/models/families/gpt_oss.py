@@ -19,6 +19,8 @@ from lightning_moe.models.config import ModelConfig, MoEConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
 from lightning_moe.models.families.common import (
     attention_maps,
+    aux_loss_coeff_from_hf,
+    aux_loss_coeff_to_hf,
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
@@ -79,7 +81,7 @@ class GptOss(Family):
         bias = bool(hf.get("attention_bias", True))
         attention = llama_style_attention(hf, ARCH, qkv_bias=bias, out_bias=bias, sinks=True)
         sliding_window_from_hf(hf, attention, layer_types(hf))
-        return llama_style_model(
+        cfg = llama_style_model(
             hf, self.name, ARCH, "*E" * require(hf, "num_hidden_layers", ARCH), attention, mlp=None,
             moe=MoEConfig(
                 num_experts=require(hf, "num_local_experts", ARCH, "num_experts"),
@@ -92,21 +94,22 @@ class GptOss(Family):
                 router_bias=True,
                 # softmax over the top-k logits = softmax over all, renormalized over the top k
                 norm_topk_prob=True,
-                aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             ),
             norm_weight_fp32=True,
         )
+        cfg.moe.aux_loss_coeff = aux_loss_coeff_from_hf(hf, cfg)
+        return cfg
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         moe, att = cfg.moe, cfg.attention
         hf = base_hf_config(cfg, ARCH, self.model_type)
+        hf.update(aux_loss_coeff_to_hf(cfg))
         hf.update(
             num_local_experts=moe.num_experts,
             num_experts_per_tok=moe.top_k,
             intermediate_size=moe.intermediate_size,
             swiglu_alpha=moe.swiglu_alpha,
             swiglu_limit=moe.swiglu_limit,
-            router_aux_loss_coef=moe.aux_loss_coeff,
             attention_bias=att.qkv_bias,
         )
         windows = sliding_window_to_hf(cfg)

@@ -8,6 +8,8 @@ from lightning_moe.models.config import ModelConfig, MoEConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
 from lightning_moe.models.families.common import (
     LayerNames,
+    aux_loss_coeff_from_hf,
+    aux_loss_coeff_to_hf,
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
@@ -24,25 +26,26 @@ class Mixtral(Family):
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
         attention = llama_style_attention(hf, ARCH)
         sliding_window_from_hf(hf, attention)
-        return llama_style_model(
+        cfg = llama_style_model(
             hf, self.name, ARCH, "*E" * require(hf, "num_hidden_layers", ARCH), attention, mlp=None,
             moe=MoEConfig(
                 num_experts=require(hf, "num_local_experts", ARCH),
                 top_k=require(hf, "num_experts_per_tok", ARCH),
                 intermediate_size=require(hf, "intermediate_size", ARCH),
                 norm_topk_prob=True,
-                aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             ),
         )
+        cfg.moe.aux_loss_coeff = aux_loss_coeff_from_hf(hf, cfg)
+        return cfg
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = base_hf_config(cfg, ARCH, self.model_type)
         moe = cfg.moe
+        hf.update(aux_loss_coeff_to_hf(cfg))
         hf.update(
             intermediate_size=moe.intermediate_size,
             num_local_experts=moe.num_experts,
             num_experts_per_tok=moe.top_k,
-            router_aux_loss_coef=moe.aux_loss_coeff,
             sliding_window=cfg.attention.sliding_window,
         )
         return hf

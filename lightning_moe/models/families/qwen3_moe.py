@@ -7,6 +7,8 @@ from typing import Any
 from lightning_moe.models.config import MLPConfig, ModelConfig, MoEConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
 from lightning_moe.models.families.common import (
+    aux_loss_coeff_from_hf,
+    aux_loss_coeff_to_hf,
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
@@ -28,7 +30,7 @@ class Qwen3Moe(Family):
         pattern = "".join(
             "*E" if i not in dense and num_experts > 0 and (i + 1) % step == 0 else "*-" for i in range(layers)
         )
-        return llama_style_model(
+        cfg = llama_style_model(
             hf, self.name, ARCH, pattern, qwen3_attention(hf, ARCH, per_layer_windows=False),
             mlp=MLPConfig(hf.get("intermediate_size") or require(hf, "moe_intermediate_size", ARCH)),
             moe=MoEConfig(
@@ -36,14 +38,16 @@ class Qwen3Moe(Family):
                 top_k=require(hf, "num_experts_per_tok", ARCH),
                 intermediate_size=require(hf, "moe_intermediate_size", ARCH),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             ),
         )
+        cfg.moe.aux_loss_coeff = aux_loss_coeff_from_hf(hf, cfg)
+        return cfg
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = base_hf_config(cfg, ARCH, self.model_type)
         moe = cfg.moe
         ffn = cfg.pattern[1::2]
+        hf.update(aux_loss_coeff_to_hf(cfg))
         hf.update(
             intermediate_size=cfg.mlp.intermediate_size if cfg.mlp else moe.intermediate_size,
             attention_bias=cfg.attention.qkv_bias,
@@ -51,7 +55,6 @@ class Qwen3Moe(Family):
             num_experts_per_tok=moe.top_k,
             moe_intermediate_size=moe.intermediate_size,
             norm_topk_prob=moe.norm_topk_prob,
-            router_aux_loss_coef=moe.aux_loss_coeff,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, s in enumerate(ffn) if s == "-"],
         )
