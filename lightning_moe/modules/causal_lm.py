@@ -9,7 +9,6 @@ carry very different numbers of label tokens.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from lightning_moe.models.config import (
 from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.models.hf import HFModel, HFModelConfig
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
+from lightning_moe.modules.rng import gather_rng_states, restore_rng_states
 from lightning_moe.modules.step_stats import StepStats
 from lightning_moe.peft import LoraConfig
 from lightning_moe.precision import Float8Config
@@ -340,25 +340,11 @@ class CausalLM(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if isinstance(self.model, HFModel):  # which transformers auto class rebuilds the model at export
             checkpoint["hf_task"] = self.hf_task
-        # plain tensors and tuples only, so checkpoints load with torch.load(weights_only=True)
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        checkpoint["rng_states"] = {
-            "torch": torch.get_rng_state(),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
-            "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
+        checkpoint["rng_states"] = gather_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("rng_states")
-        if not states:
-            return
-        torch.set_rng_state(states["torch"])
-        kind, keys, pos, has_gauss, gauss = states["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        random.setstate(states["python"])
-        if states.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states["cuda"])
+        if checkpoint.get("rng_states"):
+            restore_rng_states(checkpoint["rng_states"], self.global_rank)
 
 
 # hyperparameters hold these dataclasses: let weights-only checkpoint loading rebuild them
