@@ -139,9 +139,23 @@ class Throughput(StepEndCallback):
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._flops = 0.0
         self._tokens = 0
-        self._label_tokens = 0
+        # the step's micro-batches (position ids, labels): read back to the host once per step, not per micro-batch
+        self._micro_batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def _step_counts(self) -> tuple[float, int]:
+        """FLOPs and label tokens of this rank's micro-batches of the step."""
+        flops, label_tokens = 0.0, 0
+        for position_ids, labels in self._micro_batches:
+            position_ids = position_ids.cpu()
+            labels = None if labels is None else labels.cpu()
+            if labels is not None:
+                label_tokens += int((labels != IGNORE_INDEX).sum())
+            if self.config is None:
+                flops += self.flops_per_param_token * position_ids.numel()
+            else:
+                flops += batch_flops(self.config, position_ids, labels, self.trainable_fraction)
+        return flops, label_tokens
 
     # ------------------------------------------------------------------ timing
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -163,26 +177,19 @@ class Throughput(StepEndCallback):
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError("Throughput: batches must be dicts with 'input_ids' (and 'position_ids', 'labels')")
         input_ids = batch["input_ids"]
-        labels = batch.get("labels")
         self._tokens += input_ids.numel()
-        if labels is not None:
-            self._label_tokens += int((labels != IGNORE_INDEX).sum())
-        if self.config is None:
-            self._flops += self.flops_per_param_token * input_ids.numel()
-        else:
-            position_ids = batch.get("position_ids")
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            self._flops += batch_flops(self.config, position_ids, labels, self.trainable_fraction)
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        self._micro_batches.append((position_ids, batch.get("labels")))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         now = time.perf_counter()
         stats = step_stats(trainer, pl_module)
-        local = torch.tensor([self._flops, self._tokens, self._label_tokens], dtype=torch.float64,
-                             device=pl_module.device)
+        local = torch.tensor([*self._step_counts(), self._tokens], dtype=torch.float64, device=pl_module.device)
         # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
-        flops, tokens, label_tokens = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
+        flops, label_tokens, tokens = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
         speed = StepSpeed(
             step=trainer.global_step,
             step_time_s=max(now - self._step_start, 1e-9),
