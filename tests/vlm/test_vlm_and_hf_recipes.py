@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from tiny_hf_models import qwen3_next_config, save_tiny
@@ -19,8 +21,9 @@ def cli(*args: str, run: bool = False):
 
     import lightning_moe.data  # noqa: F401  (short data-module names)
 
-    return LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                        run=run, args=list(args))
+    with mock.patch.object(sys, "argv", ["lightning-moe"]):  # the arguments are args, not pytest's command line
+        return LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                            run=run, args=list(args))
 
 
 def quick(tmp_path: Path) -> list[str]:
