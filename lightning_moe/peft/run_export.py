@@ -27,6 +27,11 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     hparams = trained_hyperparameters(checkpoint)
     if hparams.get("peft") is None:
         raise ValueError(f"{path}: the run has no `peft` settings, so it is not a LoRA run")
+    from lightning_moe.models.hf import HFModelConfig
+
+    if isinstance(hparams.get("model"), HFModelConfig):
+        raise ValueError(f"{path}: a LoRA run of a transformers model (model.hf) exports merged with "
+                         f"`lightning-moe convert export --ckpt`; PEFT adapter export covers native models")
     if hparams.get("pretrained") is None:
         raise ValueError(f"{path}: the run has no `pretrained` base; a LoRA checkpoint does not hold frozen weights")
     source = open_checkpoint(Path(hparams["pretrained"]).expanduser())

@@ -50,7 +50,7 @@ def test_two_steps_single_process_and_fsdp_match_and_export_reloads(tmp_path):
     assert not torch.equal(start["model.layers.1.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
 
 
-def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_path):
+def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_path, capsys):
     import transformers as t
 
     from lightning_moe.checkpoint.commands import main
@@ -65,6 +65,9 @@ def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_pat
     assert saved and all(".lora_" in name for name in saved), "a LoRA checkpoint holds only the adapters"
 
     assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export-lora", "--ckpt", str(checkpoint), "--adapter-out", str(tmp_path / "adapter")]) == 1
+    assert "exports merged with `lightning-moe convert export --ckpt`" in capsys.readouterr().err
+    assert not (tmp_path / "adapter").exists()
     exported = t.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()
     merged = merged_state_dict(module.model.hf)
     assert exported.keys() == merged.keys()
