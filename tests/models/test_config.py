@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_moe.models.config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
+from lightning_moe.models.config import (
+    AttentionConfig,
+    MambaConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+)
 
 
 def _moe(**kwargs) -> MoEConfig:
