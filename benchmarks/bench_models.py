@@ -1,12 +1,13 @@
 """Training-step throughput and peak memory: native Decoder vs transformers, same config, weights and batch.
 
-Each (workload, implementation) runs in its own process so peak RSS is its own. One step =
-forward + backward + fused AdamW step (both stacks' default optimizer) in fp32 on CPU. Peak memory is the process's high-water mark during the
-measured steps (reset after warm-up, so both sides hold their optimizer state), and also shown net of the
-weights + gradients + AdamW state every implementation must hold.
+Each (workload, dtype, implementation) runs in its own process so peak RSS is its own. One step =
+forward + backward + fused AdamW step (both stacks' default optimizer) on CPU, with weights, activations and
+optimizer state in the row's dtype on both sides (fp32, and bf16 as the published tables train). Peak memory
+is the process's high-water mark during the measured steps (reset after warm-up, so both sides hold their
+optimizer state), and also shown net of the weights + gradients + AdamW state every implementation must hold.
 
     python benchmarks/bench_models.py                 # both workloads
-    python benchmarks/bench_models.py --steps 5 --workloads dense
+    python benchmarks/bench_models.py --steps 5 --workloads dense --dtypes bfloat16
 
 Targets: native >= 1.3x tokens/s and <= 0.8x peak memory of transformers.
 """
@@ -33,6 +34,9 @@ WORKLOADS = {
 }
 
 
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
 def hf_config(spec: dict):
     import transformers
 
@@ -57,10 +61,11 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threads: int | None) -> dict:
+def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup: int, threads: int | None) -> dict:
     """Runs inside the child process."""
     import torch
 
+    dtype = getattr(torch, dtype)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(1)
@@ -70,7 +75,7 @@ def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threa
     if impl == "transformers":
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).train()
+        model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=dtype).train()
 
         def step_loss():
             # transformers' own training loss; shift_labels: the same (already shifted) targets as ours
@@ -78,7 +83,7 @@ def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threa
     else:
         from lightning_moe.checkpoint.load import load_pretrained
 
-        model = load_pretrained(weights, dtype=torch.float32).train()
+        model = load_pretrained(weights, dtype=dtype).train()
         count = labels.numel()
 
         def step_loss():
@@ -113,9 +118,10 @@ def measure(impl: str, spec: dict, weights: Path, steps: int, warmup: int, threa
     }
 
 
-def run_child(impl: str, workload: str, weights: Path, steps: int, warmup: int, threads: int | None) -> dict:
+def run_child(impl: str, workload: str, weights: Path, dtype: str, steps: int, warmup: int,
+              threads: int | None) -> dict:
     cmd = [sys.executable, __file__, "--child", impl, "--workloads", workload, "--weights", str(weights),
-           "--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
+           "--dtypes", dtype, "--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -126,6 +132,7 @@ def run_child(impl: str, workload: str, weights: Path, steps: int, warmup: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="alternate runs; the best of each is kept")
@@ -136,7 +143,7 @@ def main() -> None:
 
     if args.child:
         spec = WORKLOADS[args.workloads[0]]
-        print(json.dumps(measure(args.child, spec, Path(args.weights), args.steps, args.warmup, args.threads)))
+        print(json.dumps(measure(args.child, spec, Path(args.weights), args.dtypes[0], args.steps, args.warmup, args.threads)))
         return
 
     rows = []
@@ -144,25 +151,26 @@ def main() -> None:
         for name in args.workloads:
             weights = Path(tmp) / name
             save_weights(WORKLOADS[name], weights)
-            best: dict[str, dict] = {}
-            for _ in range(args.repeats):
-                for impl in ("transformers", "native"):
-                    result = run_child(impl, name, weights, args.steps, args.warmup, args.threads)
-                    if impl not in best or result["tokens_per_cpu_s"] > best[impl]["tokens_per_cpu_s"]:
-                        best[impl] = result
-            rows.append((name, best["transformers"], best["native"]))
+            for dtype in args.dtypes:
+                best: dict[str, dict] = {}
+                for _ in range(args.repeats):
+                    for impl in ("transformers", "native"):
+                        result = run_child(impl, name, weights, dtype, args.steps, args.warmup, args.threads)
+                        if impl not in best or result["tokens_per_cpu_s"] > best[impl]["tokens_per_cpu_s"]:
+                            best[impl] = result
+                rows.append((f"{name}/{DTYPE_NAMES[dtype]}", best["transformers"], best["native"]))
 
-    print(f"{'workload':8} {'impl':13} {'tokens/s':>9} {'tok/cpu-s':>10} {'peak RSS MiB':>13} {'peak net MiB':>13} "
+    print(f"{'workload':10} {'impl':13} {'tokens/s':>9} {'tok/cpu-s':>10} {'peak RSS MiB':>13} {'peak net MiB':>13} "
           f"{'loss@1':>8}")
     for name, hf, ours in rows:
         for impl, r in (("transformers", hf), ("native", ours)):
             net = (r["peak_above_start"] - r["state_bytes"]) / 2**20
-            print(f"{name:8} {impl:13} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:10.0f} "
+            print(f"{name:10} {impl:13} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:10.0f} "
                   f"{r['peak_rss'] / 2**20:13.0f} {net:13.0f} {r['first_loss']:8.4f}")
         speed = ours["tokens_per_s"] / hf["tokens_per_s"]
         cpu_speed = ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"]
         memory = ours["peak_above_start"] / hf["peak_above_start"]
-        print(f"{name:8} ratio native/transformers: tokens/s {speed:.2f}x wall, {cpu_speed:.2f}x per CPU-second "
+        print(f"{name:10} ratio native/transformers: tokens/s {speed:.2f}x wall, {cpu_speed:.2f}x per CPU-second "
               f"(target >= 1.3x); peak memory {memory:.2f}x (target <= 0.8x)")
 
 

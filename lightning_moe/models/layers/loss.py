@@ -36,31 +36,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # cast once, not once per chunk and matmul as autocast would
         with torch.autocast(hidden.device.type, enabled=False):
             weight_c, hidden_c = weight.to(dtype), hidden.to(dtype)
+            # one set of chunk buffers reused by every chunk: a fresh [chunk, vocab] tensor per chunk costs
+            # more in page faults than the elementwise work done on it (CPU)
+            rows_max = min(chunk_size, hidden.shape[0])
+            logits_buf = hidden.new_empty(rows_max, weight.shape[0], dtype=dtype)
+            fp32_buf = logits_buf if dtype == torch.float32 else torch.empty_like(logits_buf, dtype=torch.float32)
+            weight_grad_buf = None
+            if need_weight_grad and dtype != torch.float32:
+                weight_grad_buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
             for start in range(0, hidden.shape[0], chunk_size):
                 h = hidden_c[start : start + chunk_size]
                 y = labels[start : start + chunk_size]
-                logits = (h @ weight_c.t()).float()
+                logits = torch.mm(h, weight_c.t(), out=logits_buf[: h.shape[0]])
+                log_probs = fp32_buf[: h.shape[0]]
+                if log_probs is not logits:
+                    log_probs.copy_(logits)
                 if vocab_group is None:
                     rows, cols = torch.arange(y.shape[0], device=y.device), y
-                    log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: one chunk buffer
+                    torch.log_softmax(log_probs, dim=-1, out=log_probs)
                     loss_sum -= log_probs[rows, cols].sum()
                 else:
-                    lse, target, rows, cols = _vocab_parallel_statistics(logits, y, vocab_group, vocab_start)
+                    lse, target, rows, cols = _vocab_parallel_statistics(log_probs, y, vocab_group, vocab_start)
                     loss_sum += (lse - target).sum()
-                    log_probs = logits.sub_(lse[:, None])
+                    log_probs.sub_(lse[:, None])
                 if not (need_hidden_grad or need_weight_grad):
                     continue
-                grad_logits = log_probs.exp_()  # softmax, in place
+                # softmax minus one-hot, in the matmul dtype (the exponential is taken in fp32, in place)
+                grad_logits = log_probs.exp_()
                 grad_logits[rows, cols] -= 1.0
-                grad_logits = grad_logits.to(dtype)
+                if grad_logits is not logits:
+                    grad_logits = logits.copy_(grad_logits)
                 if need_hidden_grad:
-                    grad_hidden[start : start + chunk_size] = grad_logits @ weight_c
+                    rows_grad = grad_hidden[start : start + chunk_size]
+                    if rows_grad.dtype == dtype:
+                        torch.mm(grad_logits, weight_c, out=rows_grad)
+                    else:  # bf16-mixed: fp32 hidden states, bf16 matmul
+                        rows_grad.copy_(grad_logits @ weight_c)
                 if need_weight_grad:
-                    if dtype == torch.float32:
+                    if weight_grad_buf is None:
                         # accumulate in place (the out= form, which FLOP counters see, unlike addmm_)
                         torch.addmm(grad_weight, grad_logits.t(), h, out=grad_weight)
                     else:
-                        grad_weight += (grad_logits.t() @ h).float()
+                        _add_upcast_(grad_weight, torch.mm(grad_logits.t(), h, out=weight_grad_buf))
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss_sum
 
@@ -72,6 +89,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _add_upcast_(accumulator: torch.Tensor, update: torch.Tensor, rows_per_block: int = 2048) -> None:
+    """``accumulator += update`` for an fp32 accumulator and a low-precision update. On CPU a mixed-dtype add
+    runs a scalar casting loop (several times slower than the GEMM that made ``update``); blocks of rows upcast
+    first stay in cache and take the vectorized path."""
+    if accumulator.device.type != "cpu":
+        accumulator += update
+        return
+    for start in range(0, accumulator.shape[0], rows_per_block):
+        accumulator[start : start + rows_per_block] += update[start : start + rows_per_block].float()
 
 
 def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
