@@ -49,18 +49,14 @@ def trained_hyperparameters(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
-    """A distributed (DCP) checkpoint directory as one dict: tensors from the shards, the rest from Lightning's
-    ``meta.pt``."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """A distributed (DCP) checkpoint directory as one dict: Lightning's ``meta.pt`` and a ``state_dict`` that
+    reads each weight from the shards when asked for it (optimizer states are never read)."""
+    from lightning_moe.checkpoint.distributed import DistributedCheckpointState
 
     if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
         raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(path, Path(tmp) / "checkpoint.pt")
-        checkpoint = torch.load(Path(tmp) / "checkpoint.pt", map_location="cpu", weights_only=True)
-    checkpoint.update(torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True))
+    checkpoint = torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = DistributedCheckpointState(path)
     return checkpoint
 
 
@@ -96,11 +92,13 @@ def _export_native_run(ckpt, checkpoint: dict[str, Any], hparams: dict[str, Any]
     config = hparams.get("model") or (source.config if source is not None else None)
     if config is None:
         raise ValueError(f"{ckpt}: the run names neither `model` nor `pretrained`; cannot tell its architecture")
-    state = {n.removeprefix(PREFIX): t for n, t in checkpoint["state_dict"].items() if n.startswith(PREFIX)}
-    missing = sorted(set(expected_tensors(config)) - set(state))
+    # names only: each tensor is read when the export writes it (a distributed checkpoint reads it from its shards)
+    stored = checkpoint["state_dict"]
+    names = {n.removeprefix(PREFIX): n for n in stored if n.startswith(PREFIX)}
+    missing = sorted(set(expected_tensors(config)) - set(names))
     if missing:
         raise ValueError(f"{ckpt}: the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
     return export_hf_tensors(
-        config, state.__getitem__, out, hf_config=getattr(source, "hf_config", None),
+        config, lambda name: stored[names[name]], out, hf_config=getattr(source, "hf_config", None),
         aux_dir=getattr(source, "directory", None), **options,
     )
