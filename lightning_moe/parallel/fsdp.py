@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.layers.moe import MoE
+from lightning_moe.parallel.activation_checkpoint import repeated_blocks
 
 
 def apply_fsdp(
@@ -50,10 +51,7 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
     }
-    units = list(model.layers.values())
-    if getattr(model, "mtp", None) is not None:
-        units += list(model.mtp.depths)
-    for unit in units:
+    for _, unit in repeated_blocks(model):
         if expert_mesh is not None:
             for moe in unit.modules():
                 if isinstance(moe, MoE):

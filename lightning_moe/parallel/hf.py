@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_moe.parallel.compile import checkpoint_and_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
@@ -102,6 +102,8 @@ def parallelize_hf(
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    compile: bool = False,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Split ``model`` (an ``HFModel`` on the meta device, after converters) over the meshes of ``dims``; the
     options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
@@ -112,7 +114,7 @@ def parallelize_hf(
         apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
         # sharding replaced the tied parameter in its first module only: tie the others to the sharded one again
         model.hf.tie_weights(recompute_mapping=False)
-    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
+    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         from lightning_moe.parallel.fsdp import apply_fsdp
 

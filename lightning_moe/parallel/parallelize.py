@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_moe.parallel.compile import checkpoint_and_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -23,12 +23,15 @@ def parallelize(
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    compile: bool = False,
+    compile_backend: str = "inductor",
     expert_dispatcher=None,
 ) -> nn.Module:
     """Split ``model`` (a Decoder built on the meta device, after converters) over the meshes of ``dims``.
 
     Materialize it afterwards (``to_empty`` + ``init_weights`` or ``copy_tensors_into``). ``param_dtype`` /
-    ``reduce_dtype`` / ``cpu_offload`` are FSDP's mixed-precision and offload policies.
+    ``reduce_dtype`` / ``cpu_offload`` are FSDP's mixed-precision and offload policies. ``compile`` compiles every
+    block with ``compile_backend`` (``parallel/compile.py``).
     ``expert_dispatcher(group, num_local_experts)`` builds the token dispatcher of expert parallelism
     (default: all-to-all).
     """
@@ -42,6 +45,7 @@ def parallelize(
             model, dims, activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+            compile=compile, compile_backend=compile_backend,
         )
     dims.check_model(model.config)
     if dims.tp > 1:
@@ -58,7 +62,7 @@ def parallelize(
         from lightning_moe.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, dims.mesh("cp"))
-    apply_activation_checkpointing(model, activation_checkpointing, activation_checkpointing_every)
+    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
     # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for
     # even without data-parallel ranks (a 1-rank mesh)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
@@ -74,6 +78,7 @@ def parallelize(
 
         sum_partial_gradients(model)
     return model
+
 
 
 def refuse_converted_layers(model: nn.Module, what: str) -> None:

@@ -33,6 +33,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_moe.parallel.activation_checkpoint import check_mode
+from lightning_moe.parallel.compile import check_backend
 from lightning_moe.parallel.dims import ParallelDims, check_sizes
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -57,6 +58,8 @@ class ParallelStrategy(ModelParallelStrategy):
         tp: tensor-parallel ranks (heads, MLP channels and vocabulary split; sequence parallel in between).
         ep: expert-parallel ranks, carved out of ``dp_shard * cp`` (experts split over them).
         activation_checkpointing: ``none`` | ``full`` | ``selective`` (every ``activation_checkpointing_every``-th block).
+        compile: ``torch.compile`` every block (after tensor/expert/context parallelism and activation
+            checkpointing, before FSDP), with ``compile_backend``.
         param_dtype: FSDP mixed precision: dtype of the unsharded parameters in forward/backward
             (``bfloat16``); null keeps the stored dtype.
         reduce_dtype: dtype of gradient reduction (``float32``).
@@ -74,6 +77,8 @@ class ParallelStrategy(ModelParallelStrategy):
         ep: int = 1,
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 1,
+        compile: bool = False,
+        compile_backend: str = "inductor",
         param_dtype: str | None = None,
         reduce_dtype: str | None = "float32",
         cpu_offload: bool = False,
@@ -84,12 +89,16 @@ class ParallelStrategy(ModelParallelStrategy):
     ) -> None:
         check_sizes(dp_replicate, dp_shard, cp, tp, ep)
         check_mode(activation_checkpointing, activation_checkpointing_every)
+        if compile:
+            check_backend(compile_backend)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
         self._parallelize_options = {
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_every": activation_checkpointing_every,
+            "compile": compile,
+            "compile_backend": compile_backend,
             "param_dtype": _dtype(param_dtype, "param_dtype"),
             "reduce_dtype": _dtype(reduce_dtype, "reduce_dtype"),
             "cpu_offload": cpu_offload,

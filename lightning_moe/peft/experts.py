@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.models.layers.moe import GroupedExperts
+from lightning_moe.models.layers.moe import GroupedExperts, grouped_mm
 
 
 def lora_a_bound(fan_in: int) -> float:
@@ -73,6 +73,6 @@ class ExpertLora(nn.Module):
         pad = -a.shape[1] % (16 // a.element_size())
         if pad:
             a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-        low_rank = torch._grouped_mm(self.dropout(x).to(a.dtype), a.transpose(-2, -1), offs=offsets)
-        delta = torch._grouped_mm(low_rank, b.transpose(-2, -1), offs=offsets)
+        low_rank = grouped_mm(self.dropout(x).to(a.dtype), a.transpose(-2, -1), offsets)
+        delta = grouped_mm(low_rank, b.transpose(-2, -1), offsets)
         return (delta * self.scaling).to(x.dtype)

@@ -204,3 +204,25 @@ def test_parallel_layouts_the_generic_path_does_not_split_are_refused(next_dir, 
     model = HFModel(build_hf_model(HFModelConfig(hf=str(next_dir))).hf)
     with pytest.raises(ValueError, match=message):
         check_hf_model(ParallelDims(**sizes, world_size=4 if len(sizes) == 2 and "tp" in sizes else 2), model)
+
+
+def test_compiled_transformers_layers_train_like_eager(qwen3_dir):
+    from torch._dynamo.utils import counters
+
+    from lightning_moe.parallel.compile import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = build_hf_model(HFModelConfig(hf=str(qwen3_dir))), build_hf_model(HFModelConfig(hf=str(qwen3_dir)))
+    assert apply_compile(compiled, "aot_eager", "full") == [f"layers.{name}" for name in compiled.layers]
+    data = batch()
+    for model in (eager, compiled):
+        out = model(data["input_ids"], labels=data["labels"])
+        out.loss_sum.backward()
+        model.loss = out.loss_sum.item()
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert compiled.loss == pytest.approx(eager.loss, rel=1e-6)
+    grads = dict(eager.hf.named_parameters())
+    assert [name for name, _ in compiled.hf.named_parameters()] == list(grads)
+    for name, param in compiled.hf.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6)

@@ -99,6 +99,8 @@ def test_strategy_options_are_checked_when_built():
         ParallelStrategy(param_dtype="bf32")
     with pytest.raises(ValueError, match=r"ep=0 must be a positive integer"):
         ParallelStrategy(ep=0)
+    with pytest.raises(ValueError, match=r"compile_backend='indcutor' is not a torch.compile backend; .*inductor"):
+        ParallelStrategy(compile=True, compile_backend="indcutor")
     assert ParallelStrategy(tp=2).parallel_sizes == {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 2, "ep": 1}
 
 

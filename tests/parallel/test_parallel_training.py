@@ -1,6 +1,7 @@
 """Every parallel layout trains like one process.
 
-Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3- and GPT-OSS-style models on packed global batches: per-step losses
+Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3- and GPT-OSS-style models on packed global batches (also
+with compiled blocks): per-step losses
 equal the single-process run within 1e-5, gradient norms and first-step gradients match, and 2-way FSDP keeps
 at most 0.6x the single-process parameters + gradients + AdamW state per rank. Checkpoints saved on one mesh
 resume on another and continue the same loss curve. Gradient accumulation under HSDP (the all-reduce
@@ -26,6 +27,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("tp+sp, MLA, MTP", "deepseek_like", {"tp": 2}), {}),
         ("run_layout", ("ep, MLA, shared expert, MoE in the MTP depth", "deepseek_like", {"dp_shard": 2, "ep": 2}), {}),
         ("run_layout", ("ep, every token to rank 0's experts", "qwen3_moe_skewed", {"dp_shard": 2, "ep": 2}), {}),
+        ("run_layout", ("fsdp x ep, compiled blocks with activation checkpointing inside", "qwen3_moe",
+                        {"dp_shard": 2, "ep": 2}),
+         {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_layout", ("cp, packed rows", "llama", {"cp": 2}), {}),
         ("run_layout", ("cp, sinks and window", "gpt_oss_like", {"cp": 2}), {}),
         ("run_layout", ("cp, MLA", "mla_moe", {"cp": 2}), {}),

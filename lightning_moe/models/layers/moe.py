@@ -17,6 +17,19 @@ from lightning_moe.models.config import MoEConfig
 from lightning_moe.models.layers.mlp import MLP
 
 
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``: row groups of ``a`` [N, in] (ends ``offs``) times the matrices of ``b`` [G, in, out]."""
+    if a.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
+        return torch._grouped_mm(a, b, offs=offs)
+    return _eager_grouped_mm(a, b, offs)
+
+
+@torch.compiler.disable
+def _eager_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # under torch.compile the op's shape function accepts bf16 only, while its kernels also run fp32 (CPU)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 @dataclass
 class Routing:
     """Per token: the chosen experts [T, k], their gate weights [T, k] and the router scores [T, E]."""
@@ -144,7 +157,7 @@ class GroupedExperts(nn.Module):
 
     def project(self, name: str, inp: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows ``inp`` [N, in] sorted by expert through the stacked projection ``name`` ([E, out, in]) -> [N, out]."""
-        out = torch._grouped_mm(inp, getattr(self, name).transpose(-2, -1), offs=offsets)
+        out = grouped_mm(inp, getattr(self, name).transpose(-2, -1), offsets)
         bias = getattr(self, name.replace("_proj", "_bias"))
         if bias is not None:
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=inp.shape[0])

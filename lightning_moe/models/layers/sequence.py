@@ -7,8 +7,6 @@ per-sequence scan restarts (``document_ids``), and varlen ``cu_seqlens``.
 
 from __future__ import annotations
 
-from functools import cached_property
-
 import torch
 
 _compiled_create_block_mask = None
@@ -48,19 +46,26 @@ class SequenceLayout:
             )
         return cls(position_ids)
 
-    @cached_property
+    # computed on first use and kept in ``_masks`` (not ``functools.cached_property``: its lock stops
+    # torch.compile from tracing compiled blocks that read them)
+    @property
     def document_ids(self) -> torch.Tensor:
         """[batch, seq] index of the sequence each token belongs to (0, 1, ... within each row)."""
-        return torch.cumsum(self.position_ids == 0, dim=1) - (self.position_ids[:, :1] == 0).long()
+        if "documents" not in self._masks:
+            positions = self.position_ids
+            self._masks["documents"] = torch.cumsum(positions == 0, dim=1) - (positions[:, :1] == 0).long()
+        return self._masks["documents"]
 
-    @cached_property
+    @property
     def cu_seqlens(self) -> torch.Tensor:
         """Cumulative sequence lengths over the flattened batch (int32), the varlen kernels' format."""
-        starts = self.position_ids == 0
-        starts[:, 0] = True
-        idx = torch.nonzero(starts.flatten(), as_tuple=True)[0].to(torch.int32)
-        total = torch.tensor([self.batch * self.seq_len], dtype=torch.int32, device=idx.device)
-        return torch.cat([idx, total])
+        if "cu_seqlens" not in self._masks:
+            starts = self.position_ids == 0
+            starts[:, 0] = True
+            idx = torch.nonzero(starts.flatten(), as_tuple=True)[0].to(torch.int32)
+            total = torch.tensor([self.batch * self.seq_len], dtype=torch.int32, device=idx.device)
+            self._masks["cu_seqlens"] = torch.cat([idx, total])
+        return self._masks["cu_seqlens"]
 
     def dense_mask(self, window: int | None = None, force: bool = False) -> torch.Tensor | None:
         """Boolean [batch, 1, seq, seq] mask (True = attend), or None where plain causal attention is exact."""
