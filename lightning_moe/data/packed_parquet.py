@@ -1,4 +1,4 @@
-"""Packed SFT datasets on disk: ``packed.parquet`` + ``metadata.json`` in one folder.
+"""Packed SFT datasets on disk: ``packed.parquet`` + ``metadata.json`` in one folder, and ``packed.arrow``.
 
 Each parquet row is one pack, stored without its end padding (added at collate time):
 
@@ -7,8 +7,11 @@ Each parquet row is one pack, stored without its end padding (added at collate t
 - ``seq_start_id`` (list<int32>): offset of each sample in the row (positions restart there).
 
 ``metadata.json`` records the packing (``packing_efficiency``, ``packing_factor``,
-``max_samples_per_pack``, ``packed_sequence_size``, ...) and what was packed. The same folder is
-written by ``lightning-moe data pack`` and by the on-the-fly cache, and read by :class:`PackedDataset`.
+``max_samples_per_pack``, ``packed_sequence_size``, ...) and what was packed. ``packed.arrow`` holds the same
+rows uncompressed (Arrow IPC): training memory-maps it, so the ranks of a node share one copy in the page cache
+instead of each decompressing the whole parquet file into its own memory. The same folder is written by
+``lightning-moe data pack`` and by the on-the-fly cache, and read by :class:`PackedDataset` (from the parquet
+file alone when a folder has no ``packed.arrow``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from lightning_moe.data.packing import PACKERS, packing_stats
 
 log = logging.getLogger(__name__)
 PACKED_FILE = "packed.parquet"
+MAPPED_FILE = "packed.arrow"
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
 OVERLONG = ("drop", "truncate")
@@ -127,7 +131,8 @@ def write_packed_dataset(
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
                         ("seq_start_id", pa.list_(pa.int32()))])
     with atomic_directory(output_dir, overwrite=True) as tmp:
-        with pq.ParquetWriter(str(tmp / PACKED_FILE), schema) as writer:
+        with pq.ParquetWriter(str(tmp / PACKED_FILE), schema) as writer, \
+                pa.ipc.new_file(str(tmp / MAPPED_FILE), schema) as mapped:
             for g in range(0, len(bins), rows_per_group):
                 cols: dict[str, list[np.ndarray]] = {"input_ids": [], "labels": [], "seq_start_id": []}
                 for b in bins[g:g + rows_per_group]:
@@ -142,8 +147,9 @@ def write_packed_dataset(
                     cols["input_ids"].append(np.concatenate(ids_parts).astype(np.int32))
                     cols["labels"].append(np.concatenate(lab_parts).astype(np.int32))
                     cols["seq_start_id"].append(np.asarray(starts, dtype=np.int32))
-                writer.write_table(pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()},
-                                            schema=schema))
+                table = pa.table({k: pa.array(v, type=pa.list_(pa.int32())) for k, v in cols.items()}, schema=schema)
+                writer.write_table(table)
+                mapped.write_table(table)
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return meta
 
@@ -170,30 +176,68 @@ class PackedDataset:
     """
 
     def __init__(self, path: str) -> None:
-        import pyarrow.parquet as pq
-
         self.path = path
         self.metadata = read_metadata(path)
-        table = pq.read_table(os.path.join(path, PACKED_FILE))
+        table, source = _open_table(path)
         missing = {"input_ids", "labels", "seq_start_id"} - set(table.column_names)
         if missing:
-            raise ValueError(f"{path}/{PACKED_FILE}: columns {sorted(missing)} missing "
+            raise ValueError(f"{path}/{source}: columns {sorted(missing)} missing "
                              f"(found: {', '.join(table.column_names)})")
-        self._cols = {name: flat_list_column(table.column(name)) for name in ("input_ids", "labels", "seq_start_id")}
-        n_ids, n_lab = (np.diff(self._cols[k][1]) for k in ("input_ids", "labels"))
-        bad = np.flatnonzero(n_ids != n_lab)
+        self._cols = {name: ListRows(table.column(name)) for name in ("input_ids", "labels", "seq_start_id")}
+        bad = np.flatnonzero(self._cols["input_ids"].lengths() != self._cols["labels"].lengths())
         if len(bad):
-            raise ValueError(f"{path}/{PACKED_FILE} row {int(bad[0])}: input_ids and labels differ in length")
+            raise ValueError(f"{path}/{source} row {int(bad[0])}: input_ids and labels differ in length")
 
     def __len__(self) -> int:
-        return len(self._cols["input_ids"][1]) - 1
+        return len(self._cols["input_ids"])
 
     def _row(self, name: str, i: int) -> np.ndarray:
-        values, offsets = self._cols[name]
-        return values[offsets[i]:offsets[i + 1]].astype(np.int64)
+        return self._cols[name][i].astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         ids = self._row("input_ids", i)
         starts = self._row("seq_start_id", i)
         positions = np.arange(len(ids)) - np.repeat(starts, np.diff(np.append(starts, len(ids))))
         return {"input_ids": ids, "labels": self._row("labels", i), "position_ids": positions}
+
+
+def _open_table(path: str):
+    """The folder's rows as a pyarrow table: memory-mapped from ``packed.arrow``, else read from the parquet file."""
+    import pyarrow as pa
+
+    mapped = os.path.join(path, MAPPED_FILE)
+    if os.path.isfile(mapped):
+        try:
+            return pa.ipc.open_file(pa.memory_map(mapped)).read_all(), MAPPED_FILE
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{mapped}: not a readable Arrow file ({e}); delete it to read {PACKED_FILE}") from e
+    import pyarrow.parquet as pq
+
+    return pq.read_table(os.path.join(path, PACKED_FILE)), PACKED_FILE
+
+
+class ListRows:
+    """The rows of a pyarrow list column as numpy views of its chunks (no copy: a memory-mapped column stays on
+    disk until its rows are read)."""
+
+    def __init__(self, column: Any) -> None:
+        self._values, self._offsets, ends = [], [], [0]
+        for chunk in column.chunks:
+            # ``values`` is the chunk's whole child buffer; ``offsets`` (of the slice) index into it
+            self._values.append(chunk.values.to_numpy(zero_copy_only=False))
+            self._offsets.append(chunk.offsets.to_numpy(zero_copy_only=False))
+            ends.append(ends[-1] + len(chunk))
+        self._ends = np.asarray(ends, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else np.zeros(0, np.int64)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} out of range for {len(self)} rows")
+        c = int(np.searchsorted(self._ends, i, side="right")) - 1
+        offsets, row = self._offsets[c], i - int(self._ends[c])
+        return self._values[c][offsets[row]:offsets[row + 1]]

@@ -22,7 +22,7 @@ def test_pack_then_train_from_packed(tmp_path, tokenizer_path, data_dir, capsys)
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     meta = json.loads((out / "metadata.json").read_text())
-    assert sorted(os.listdir(out)) == ["metadata.json", "packed.parquet"]
+    assert sorted(os.listdir(out)) == ["metadata.json", "packed.arrow", "packed.parquet"]
     for key in ("packing_efficiency", "packing_factor", "max_samples_per_pack", "packed_sequence_size"):
         assert key in meta
     assert meta["packed_sequence_size"] == 4096 and meta["pad_seq_to_mult"] == 8
@@ -34,6 +34,28 @@ def test_pack_then_train_from_packed(tmp_path, tokenizer_path, data_dir, capsys)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (2, 4096)
+    check_memory_mapped_rows_equal_the_parquet_rows(out)
+
+
+def check_memory_mapped_rows_equal_the_parquet_rows(folder):
+    """Training reads ``packed.arrow`` in place (no Arrow allocation for the rows); its rows are the parquet file's,
+    which a folder without ``packed.arrow`` is read from."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    before = pa.total_allocated_bytes()
+    mapped = PackedDataset(str(folder))
+    assert pa.total_allocated_bytes() - before < 2**16, "the rows were copied into memory"
+    table = pq.read_table(folder / "packed.parquet").to_pydict()
+    assert len(mapped) == len(table["input_ids"]) > 1
+    (folder / "packed.arrow").unlink()
+    from_parquet = PackedDataset(str(folder))
+    for i in range(len(mapped)):
+        row, parquet_row = mapped[i], from_parquet[i]
+        assert row["input_ids"].tolist() == table["input_ids"][i]
+        assert row["labels"].tolist() == table["labels"][i]
+        for key in row:
+            assert np.array_equal(row[key], parquet_row[key]), (i, key)
 
 
 def test_pack_prompt_completion_options(tmp_path, tokenizer_path, data_dir):
