@@ -300,6 +300,10 @@ class CausalLM(L.LightningModule):
         # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
         # all ranks: tensor-parallel ranks route different sequence shards, and the update only uses the sign
         update_expert_bias(self.model)
+        if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
+            from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
+
+            precompute_fsdp_float8_scales(self.model)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:

@@ -52,7 +52,9 @@ class Float8Config:
         emulate: ``"auto"`` (hardware kernels where available, emulation elsewhere), True or False.
         min_dim: layers whose smaller side is below this stay in high precision (the casts cost more than the
             low-precision GEMM saves).
-        fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights instead of bf16 ones (``tensorwise`` only).
+        fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights instead of bf16 ones (``tensorwise`` only). The
+            weights' scales for the next all-gather are then computed right after each optimizer step, all in one
+            all-reduce, instead of one all-reduce per weight inside every all-gather.
     """
 
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = "tensorwise"
@@ -263,3 +265,11 @@ def _unwrap_expert_weights(module: nn.Module, state_dict: dict, prefix: str, loc
         inner = getattr(tensor, "_data", None)
         if inner is not None:
             state_dict[key] = inner
+
+
+def precompute_fsdp_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: the scales of the FP8 weights FSDP2 gathers, from one all-reduce of their amaxes
+    (a no-op for weights that are not FSDP-sharded)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -94,6 +94,10 @@ def check_converters(base: str, directory: str) -> None:
     run_and_resume(base, root / "mxfp8_fsdp", {"dp_shard": 2}, "mxfp8")
     # FP8 all-gather quantizes the shards with the global scale: the same numbers as gathering bf16 first
     _, plain = fit(base, root / "tensorwise", {"dp_shard": 2}, "tensorwise")
-    _, gathered = fit(base, root / "tensorwise_ag", {"dp_shard": 2}, "tensorwise_fp8_all_gather")
+    gathering, gathered = fit(base, root / "tensorwise_ag", {"dp_shard": 2}, "tensorwise_fp8_all_gather")
     assert max(abs(a - b) for a, b in zip(plain, gathered)) <= 1e-5, (plain, gathered)
+    # the scales of the gathered FP8 weights were precomputed after the optimizer steps, for the next all-gather
+    scales = [p._local_tensor._precomputed_scale for p in gathering.model.parameters()
+              if type(getattr(p, "_local_tensor", None)).__name__ == "WeightWithDynamicFloat8CastTensor"]
+    assert scales and all(scale is not None for scale in scales), scales
     dist.barrier()
