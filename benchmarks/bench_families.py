@@ -1,9 +1,10 @@
 """Training-step tokens/s of the native decoder against transformers, for small DeepSeek-V3 and GPT-OSS models.
 
     python benchmarks/bench_families.py [--family deepseek_v3 gpt_oss] [--seq 512] [--batch 2] [--steps 5]
-                                        [--threads N] [--hf-experts grouped_mm]
+                                        [--dtype bfloat16] [--threads N] [--hf-experts grouped_mm]
 
-One step = forward + backward + AdamW step, fp32 on CPU. Both models hold the same weights (the native model
+One step = forward + backward + AdamW step on CPU, weights and activations in ``--dtype`` on both sides (fp32 by
+default). Both models hold the same weights (the native model
 is imported from the transformers model's saved checkpoint) and train on the same batch; transformers runs
 its default attention and experts implementations unless ``--hf-experts`` names one (eager, batched_mm,
 grouped_mm). The losses of the first step must agree before anything is timed. Steps alternate between the two
@@ -45,7 +46,7 @@ def hf_config(family: str, seq: int):
     raise ValueError(f"unknown family {family!r} (deepseek_v3, gpt_oss)")
 
 
-def build(family: str, seq: int, hf_experts: str | None):
+def build(family: str, seq: int, hf_experts: str | None, dtype: torch.dtype):
     import transformers
 
     from lightning_moe.checkpoint.load import load_pretrained
@@ -55,12 +56,13 @@ def build(family: str, seq: int, hf_experts: str | None):
     theirs = transformers.AutoModelForCausalLM.from_config(hf_config(family, seq), **kwargs)
     with tempfile.TemporaryDirectory() as tmp:
         theirs.save_pretrained(tmp)
-        ours = load_pretrained(tmp, dtype=torch.float32)
-    return ours.train(), theirs.train()
+        ours = load_pretrained(tmp, dtype=dtype)
+    return ours.train(), theirs.to(dtype).train()
 
 
 def bench(family: str, args) -> None:
-    ours, theirs = build(family, args.seq, args.hf_experts)
+    dtype = getattr(torch, args.dtype)
+    ours, theirs = build(family, args.seq, args.hf_experts, dtype)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (args.batch, args.seq), generator=gen)
     shifted = torch.roll(ids, -1, dims=1)
@@ -75,7 +77,7 @@ def bench(family: str, args) -> None:
 
     with torch.no_grad():
         losses = our_loss().item(), their_loss().item()
-    if abs(losses[0] - losses[1]) > 1e-4 * abs(losses[1]):
+    if abs(losses[0] - losses[1]) > (1e-4 if dtype == torch.float32 else 1e-2) * abs(losses[1]):
         raise SystemExit(f"{family}: the two models disagree (loss {losses[0]} vs {losses[1]}); not timing them")
 
     def step(model, loss_fn):
@@ -93,7 +95,7 @@ def bench(family: str, args) -> None:
     experts = getattr(theirs.config, "_experts_implementation", "?")
     attention = getattr(theirs.config, "_attn_implementation", "?")
     params = sum(p.numel() for p in ours.parameters())
-    print(f"{family}: {params / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, fp32, "
+    print(f"{family}: {params / 1e6:.1f}M parameters, batch {args.batch} x seq {args.seq}, {args.dtype}, "
           f"{torch.get_num_threads()} threads (first loss {losses[0]:.6f} vs {losses[1]:.6f}; transformers "
           f"attention={attention}, experts={experts}); tokens/s by wall time | by process CPU time")
     (ours_wall, ours_cpu), (theirs_wall, theirs_cpu) = seconds["ours"], seconds["theirs"]
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--hf-experts", default=None, choices=["eager", "batched_mm", "grouped_mm"])
     args = parser.parse_args()
