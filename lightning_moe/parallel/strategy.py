@@ -171,9 +171,17 @@ class ParallelStrategy(ModelParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning runs every micro-batch but the last of an accumulation window inside this: under HSDP the
-        all-reduce of gradients across replicas waits for the last one (see ``fsdp.deferred_all_reduce``).
-        Plain FSDP has no all-reduce to defer."""
+        all-reduce of gradients across replicas waits for the last one (see ``fsdp.deferred_all_reduce``), and
+        tensor parallelism without FSDP sums replicated parameters' partial gradients only then
+        (``tensor.deferred_partial_sums``). Plain FSDP has no all-reduce to defer."""
+        from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
+
         dims, module = self._parallel_dims, self.lightning_module
+        model = getattr(module, "model", None)
+        if model is not None and hasattr(model, DEFER_FLAG):
+            with deferred_partial_sums(model):
+                yield
+            return
         if dims is None or dims.dp_replicate == 1 or module is None:
             yield
             return

@@ -20,6 +20,9 @@ built): Mamba-2.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,14 +184,38 @@ class VocabParallelOutput(OutputLayer):
 
 def sum_partial_gradients(model: nn.Module) -> None:
     """Without FSDP (which does it while reducing), turn the partial gradients of replicated DTensor
-    parameters (norms under sequence parallelism, MoE weights) into their sums as soon as they are
-    accumulated, so optimizers and clipping see plain replicated gradients."""
+    parameters (norms under sequence parallelism, MoE weights) into their sums once they are accumulated, so
+    optimizers and clipping see plain replicated gradients. Inside :func:`deferred_partial_sums` (the
+    micro-batches before the last of a step) they stay partial: partial sums add up, and one all-reduce per
+    step does for all micro-batches."""
     from torch.distributed.tensor import DTensor
 
     def redistribute(param) -> None:
-        if param.grad.placements != param.placements:
+        if not getattr(model, DEFER_FLAG, False) and param.grad.placements != param.placements:
             param.grad = param.grad.redistribute(placements=param.placements)
 
-    for param in model.parameters():
-        if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements):
-            param.register_post_accumulate_grad_hook(redistribute)
+    def register(module: nn.Module, args) -> None:
+        # on the first forward, i.e. after materialization: ``to_empty`` swaps DTensor parameters for new
+        # objects, which would drop hooks registered on the meta-device ones
+        for param in module.parameters():
+            if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements):
+                param.register_post_accumulate_grad_hook(redistribute)
+        handle.remove()
+
+    setattr(model, DEFER_FLAG, False)
+    handle = model.register_forward_pre_hook(register)
+
+
+# set on a model whose partial gradients are summed by ``sum_partial_gradients``
+DEFER_FLAG = "_defer_partial_gradient_sums"
+
+
+@contextmanager
+def deferred_partial_sums(model: nn.Module) -> Iterator[None]:
+    """Backward passes run inside leave replicated parameters' gradients partial (see ``sum_partial_gradients``)."""
+    previous = getattr(model, DEFER_FLAG)
+    setattr(model, DEFER_FLAG, True)
+    try:
+        yield
+    finally:
+        setattr(model, DEFER_FLAG, previous)

@@ -86,7 +86,7 @@ class AccumulationProbe(CausalLM):
 
     def on_train_start(self) -> None:
         self.initial = {name: full(p).detach().clone() for name, p in self.model.named_parameters()}
-        self.first_batches, self.grads_written, self.first_grads = {}, [], {}
+        self.first_batches, self.grads_written, self.first_grads, self.grads_partial = {}, [], {}, []
 
     def on_train_batch_start(self, batch, batch_idx):
         # in place, so that callbacks see the same labels
@@ -98,6 +98,8 @@ class AccumulationProbe(CausalLM):
 
     def on_after_backward(self) -> None:
         self.grads_written.append(any(p.grad is not None for p in self.model.parameters()))
+        self.grads_partial.append(any(any(placement.is_partial() for placement in getattr(p.grad, "placements", ()))
+                                      for p in self.model.parameters() if p.grad is not None))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if not self.first_grads:
@@ -162,7 +164,7 @@ def accumulation_matches_one_process(directory: str) -> None:
     """Two micro-batches per step with uneven label counts. HSDP over 2 replicas: the all-reduce across replicas
     waits for the last micro-batch, and the losses, gradient norms and gradients equal those of all-reducing
     every micro-batch. HSDP, and tensor parallelism (replicated weights whose partial gradients accumulate
-    over micro-batches), train the first step like one process."""
+    over micro-batches and are summed once, after the last), train the first step like one process."""
     sizes = {"dp_replicate": 2, "dp_shard": 1}
     deferred, deferred_steps = fit_accumulated(sizes, Path(directory) / "deferred")
     synchronous, synchronous_steps = fit_accumulated(sizes, Path(directory) / "sync", AllReduceEveryMicroBatch)
@@ -176,4 +178,6 @@ def accumulation_matches_one_process(directory: str) -> None:
     check_first_step_against_one_process(deferred, deferred_steps[0][1])
 
     tensor_parallel, tp_steps = fit_accumulated({"tp": 2}, Path(directory) / "tp", steps=1)
+    # replicated parameters' partial gradients are summed once per step, after the last micro-batch
+    assert tensor_parallel.grads_partial == [True, False], tensor_parallel.grads_partial
     check_first_step_against_one_process(tensor_parallel, tp_steps[0][1])
