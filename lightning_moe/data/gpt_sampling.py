@@ -10,13 +10,20 @@ With ``reset_at_eod`` positions restart after every EOD token, which also separa
 (boundaries are where positions restart); the label at an EOD position (the next document's first
 token) is kept unless ``eod_mask_loss``.
 
+With a ``cache_dir`` the index arrays (document order, document offsets, sample shuffle) are written once, as
+``.npy`` files named by a hash of everything they depend on, and memory-mapped: the ranks of a node share one
+copy instead of each building and holding its own (as Megatron-Core's ``path_to_cache``).
+
 Blends follow Megatron's formats: ``["30", "path_a", "70", "path_b"]`` (weights normalized),
 ``[["path_a", "path_b"], None]`` or ``[["path_a", "path_b"], [0.3, 0.7]]``, or one path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,11 +113,13 @@ class GPTDataset:
         eod_token_id: end-of-document token (needed for ``reset_at_eod`` / ``eod_mask_loss``).
         eod_mask_loss: no loss at positions whose input is the EOD token.
         shuffle: shuffle documents and samples (else stream order).
+        cache_dir: where the index arrays are cached and memory-mapped from (None: built in memory).
     """
 
     def __init__(self, indexed: IndexedDataset, seq_length: int, num_samples: int | None = None, seed: int = 1234,
                  sequence_range: tuple[int, int] | None = None, reset_at_eod: bool = False,
-                 eod_token_id: int | None = None, eod_mask_loss: bool = False, shuffle: bool = True) -> None:
+                 eod_token_id: int | None = None, eod_mask_loss: bool = False, shuffle: bool = True,
+                 cache_dir: str | None = None) -> None:
         if (reset_at_eod or eod_mask_loss) and eod_token_id is None:
             raise ValueError("reset_at_eod / eod_mask_loss need eod_token_id")
         self.indexed, self.seq_length = indexed, seq_length
@@ -128,14 +137,27 @@ class GPTDataset:
         num_epochs = 1
         while (num_epochs * tokens_per_epoch - 1) // seq_length < num_samples:
             num_epochs += 1
-        rng = np.random.default_rng(seed)
-        orders = [rng.permutation(seq_ids) if shuffle else seq_ids for _ in range(num_epochs)]
-        self.doc_order = np.concatenate(orders)
-        doc_lengths = indexed.sequence_lengths[self.doc_order].astype(np.int64)
-        self.doc_starts = np.concatenate([[0], np.cumsum(doc_lengths)])  # stream offset of each document
-        self.num_samples = num_samples
-        self.num_epochs = num_epochs
-        self.shuffle_index = rng.permutation(num_samples) if shuffle else np.arange(num_samples)
+        self.num_samples, self.num_epochs = num_samples, num_epochs
+        description = {
+            "prefix": os.path.realpath(indexed.path_prefix), "sequences": len(indexed), "range": [s0, s1],
+            "tokens": tokens_per_epoch, "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+            "shuffle": shuffle, "version": INDEX_CACHE_VERSION,
+        }
+
+        def build() -> dict[str, np.ndarray]:
+            rng = np.random.default_rng(seed)
+            orders = [rng.permutation(seq_ids) if shuffle else seq_ids for _ in range(num_epochs)]
+            doc_order = np.concatenate(orders)
+            doc_lengths = indexed.sequence_lengths[doc_order].astype(np.int64)
+            return {
+                "doc_order": doc_order,
+                "doc_starts": np.concatenate([[0], np.cumsum(doc_lengths)]),  # stream offset of each document
+                "shuffle_index": rng.permutation(num_samples) if shuffle else np.arange(num_samples),
+            }
+
+        arrays = build() if cache_dir is None else cached_arrays(cache_dir, "gpt", description, build)
+        self.doc_order, self.doc_starts, self.shuffle_index = (
+            arrays["doc_order"], arrays["doc_starts"], arrays["shuffle_index"])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -171,6 +193,41 @@ class GPTDataset:
         return {"input_ids": tokens, "labels": labels, "position_ids": positions}
 
 
+INDEX_CACHE_VERSION = 1
+
+
+def cached_arrays(cache_dir: str, kind: str, description: dict[str, Any], build) -> dict[str, np.ndarray]:
+    """The arrays ``build()`` returns, memory-mapped from ``cache_dir`` (built and written first if missing).
+
+    Files are named by a hash of ``description``; each is written to a temporary name and renamed, so
+    processes building the same arrays at once (a node per shared file system) leave complete files.
+    """
+    key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+    stem = os.path.join(cache_dir, f"{kind}-{key}")
+    manifest = stem + ".json"
+    if not os.path.isfile(manifest):
+        os.makedirs(cache_dir, exist_ok=True)
+        arrays = build()
+        for name, array in arrays.items():
+            _write_atomically(f"{stem}-{name}.npy", lambda f, a=array: np.save(f, a))
+        text = json.dumps({"description": description, "arrays": sorted(arrays)}, indent=1, sort_keys=True)
+        _write_atomically(manifest, lambda f: f.write(text.encode()))
+    with open(manifest, encoding="utf-8") as f:
+        names = json.load(f)["arrays"]
+    return {name: np.load(f"{stem}-{name}.npy", mmap_mode="r") for name in names}
+
+
+def _write_atomically(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(dataset_index, dataset_sample_index)`` of length ``size`` interleaving datasets by weight.
 
@@ -191,13 +248,22 @@ def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
 
 
 class BlendedDataset:
-    """Several datasets mixed by weight; ``len() == size``."""
+    """Several datasets mixed by weight; ``len() == size``. With ``cache_dir`` the blend's index arrays are
+    cached and memory-mapped as :class:`GPTDataset`'s are."""
 
-    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int) -> None:
+    def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int,
+                 cache_dir: str | None = None) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets, self.weights, self.size = list(datasets), list(weights), size
-        self.dataset_index, self.dataset_sample_index = blending_indices(weights, size)
+
+        def build() -> dict[str, np.ndarray]:
+            dataset_index, sample_index = blending_indices(weights, size)
+            return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
+
+        description = {"weights": list(map(float, weights)), "size": size, "version": INDEX_CACHE_VERSION}
+        arrays = build() if cache_dir is None else cached_arrays(cache_dir, "blend", description, build)
+        self.dataset_index, self.dataset_sample_index = arrays["dataset_index"], arrays["dataset_sample_index"]
         for k, ds in enumerate(self.datasets):
             need = int((self.dataset_index == k).sum())
             if need > len(ds):

@@ -48,6 +48,8 @@ class PretrainDataModule(BaseDataModule):
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         seed: seed of document, sample and blend shuffles.
         num_workers: DataLoader worker processes.
+        cache_dir: where the sampling and blending indices are built once (by one process per node, in
+            ``prepare_data``) and memory-mapped from by every rank; None builds them in each rank's memory.
     """
 
     def __init__(
@@ -55,7 +57,7 @@ class PretrainDataModule(BaseDataModule):
         seq_length: int = 2048, tokenizer: str | None = None, eod_token_id: int | None = None,
         reset_at_eod: bool = False, eod_mask_loss: bool = False, train_samples: int | None = None,
         eval_samples: int | None = None, mock: bool = False, vocab_size: int = 32000, micro_batch_size: int = 1,
-        global_batch_size: int | None = None, seed: int = 1234, num_workers: int = 0,
+        global_batch_size: int | None = None, seed: int = 1234, num_workers: int = 0, cache_dir: str | None = None,
     ) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if not mock and blend is None and blend_per_split is None:
@@ -74,6 +76,7 @@ class PretrainDataModule(BaseDataModule):
         self.reset_at_eod, self.eod_mask_loss = reset_at_eod, eod_mask_loss
         self.train_samples, self.eval_samples = train_samples, eval_samples
         self.mock, self.vocab_size = mock, vocab_size
+        self.cache_dir = cache_dir
         self.datasets: dict[str, Any] = {}
         self.collate = Collator(pad_id=0, pad_to=seq_length)
 
@@ -127,14 +130,21 @@ class PretrainDataModule(BaseDataModule):
             members.append(GPTDataset(
                 indexed, self.seq_length, n, seed=self.seed + 1000 * k + j, sequence_range=seq_range,
                 reset_at_eod=self.reset_at_eod, eod_token_id=eod, eod_mask_loss=self.eod_mask_loss,
-                shuffle=split == "train",
+                shuffle=split == "train", cache_dir=self.cache_dir,
             ))
         if len(members) == 1 and num_samples is None:
             return members[0]
         size = num_samples
         if size is None:  # one epoch of each member: the largest blend in which no member runs out
             size = int(min((len(m) - 2) / w for m, w in zip(members, weights) if w > 0))
-        return BlendedDataset(members, weights, size)
+        return BlendedDataset(members, weights, size, cache_dir=self.cache_dir)
+
+    def prepare_data(self) -> None:
+        """With a ``cache_dir``: build the index arrays of every split once (Lightning runs this on one
+        process per node, before any rank's ``setup`` memory-maps them)."""
+        if self.cache_dir is not None and not self.mock:
+            for split in SPLITS:
+                self.build(split)
 
     def setup(self, stage: str | None = None) -> None:
         for split in SPLITS:

@@ -181,3 +181,33 @@ def test_split_bounds_match_megatron_core(tmp_path):
     dm.setup()
     for name, megatron in zip(("train", "valid", "test"), theirs):
         assert set(dm.datasets[name].doc_order.tolist()) == set(megatron.indices.tolist()), name
+
+
+def test_cached_indices_are_memory_mapped_and_give_the_same_samples(tmp_path):
+    """With a cache directory the data module's ``prepare_data`` writes the sampling and blending indices once;
+    ``setup`` memory-maps them, and every sample equals the uncached one. Other settings get other files."""
+    a = _write(str(tmp_path / "a"), _random_docs(6, 40, lo=1, hi=1000))
+    b = _write(str(tmp_path / "b"), _random_docs(7, 30, lo=1000, hi=2000))
+    cache = tmp_path / "cache"
+    settings = dict(blend=["40", a, "60", b], split="90,10,0", seq_length=16, train_samples=500)
+    plain = PretrainDataModule(**settings)
+    plain.setup("fit")
+    PretrainDataModule(**settings, cache_dir=str(cache)).prepare_data()
+    written = sorted(p.name for p in cache.iterdir())
+    # train: two GPT members + their blend; valid: the same (one epoch of each member, blended)
+    assert sum(name.endswith(".json") for name in written) == 6, written
+    assert not any(".tmp" in name for name in written)
+    cached = PretrainDataModule(**settings, cache_dir=str(cache))
+    cached.setup("fit")
+    assert sorted(p.name for p in cache.iterdir()) == written  # read, not rebuilt
+    for split in ("train", "valid"):
+        ours, reference = cached.datasets[split], plain.datasets[split]
+        assert isinstance(ours.dataset_index, np.memmap)
+        assert all(isinstance(m.shuffle_index, np.memmap) and isinstance(m.doc_order, np.memmap)
+                   for m in ours.datasets)
+        assert len(ours) == len(reference)
+        for i in range(len(ours)):
+            for key, value in reference[i].items():
+                np.testing.assert_array_equal(ours[i][key], value)
+    PretrainDataModule(**{**settings, "seed": 5}, cache_dir=str(cache)).prepare_data()
+    assert len(list(cache.iterdir())) > len(written)

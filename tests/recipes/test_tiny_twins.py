@@ -96,7 +96,7 @@ def test_twin_trains_two_steps_on_cpu(twin, tmp_path):
                  f"--trainer.default_root_dir={tmp_path / 'run'}"]
     if twin in CHECKPOINTS:
         overrides.append(f"--model.init_args.model.hf={CHECKPOINTS[twin](tmp_path / 'hf')}")
-    if resolved(twin)["data"]["class_path"].endswith("SFTDataModule"):
+    if resolved(twin)["data"]["class_path"].endswith(("SFTDataModule", "PretrainDataModule")):
         overrides.append(f"--data.init_args.cache_dir={tmp_path / 'cache'}")
     run = cli("--config", str(CONFIGS / twin), *overrides)
     run.trainer.fit(run.model, datamodule=run.datamodule)
