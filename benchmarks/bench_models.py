@@ -3,8 +3,9 @@
 Each (workload, dtype, implementation) runs in its own process so peak RSS is its own. One step =
 forward + backward + fused AdamW step (both stacks' default optimizer) on CPU, with weights, activations and
 optimizer state in the row's dtype on both sides (fp32, and bf16 as the published tables train). Peak memory
-is the process's high-water mark during the measured steps (reset after warm-up, so both sides hold their
-optimizer state), and also shown net of the weights + gradients + AdamW state every implementation must hold.
+is the process's high-water mark during a step after warm-up (reset after it, so both sides hold their
+optimizer state), measured in a run of its own with a fixed allocator policy (see ``run_child``), and also
+shown net of the weights + gradients + AdamW state every implementation must hold.
 
     python benchmarks/bench_models.py                 # both workloads
     python benchmarks/bench_models.py --steps 5 --workloads dense --dtypes bfloat16
@@ -119,10 +120,17 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
 
 
 def run_child(impl: str, workload: str, weights: Path, dtype: str, steps: int, warmup: int,
-              threads: int | None) -> dict:
+              threads: int | None, memory: bool = False) -> dict:
+    """One measurement in a fresh process. ``memory``: with glibc's mmap threshold fixed, so every large buffer
+    is mapped when allocated and unmapped when freed; the resident high-water mark then follows the live
+    tensors and repeats run for run (the default adaptive threshold keeps freed buffers on the heap in
+    whichever pattern the run happened to produce, and peaks vary by +-10%)."""
     cmd = [sys.executable, __file__, "--child", impl, "--workloads", workload, "--weights", str(weights),
-           "--dtypes", dtype, "--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
+           "--dtypes", dtype, "--steps", str(steps), "--warmup", str(warmup)]
+    cmd += ["--threads", str(threads)] if threads else []
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{impl}/{workload} failed:\n{out.stderr[-3000:]}")
@@ -158,6 +166,9 @@ def main() -> None:
                         result = run_child(impl, name, weights, dtype, args.steps, args.warmup, args.threads)
                         if impl not in best or result["tokens_per_cpu_s"] > best[impl]["tokens_per_cpu_s"]:
                             best[impl] = result
+                for impl in ("transformers", "native"):  # memory: one step more after warm-up, deterministic
+                    peak = run_child(impl, name, weights, dtype, 1, args.warmup, args.threads, memory=True)
+                    best[impl].update({key: peak[key] for key in ("peak_rss", "peak_above_start", "state_bytes")})
                 rows.append((f"{name}/{DTYPE_NAMES[dtype]}", best["transformers"], best["native"]))
 
     print(f"{'workload':10} {'impl':13} {'tokens/s':>9} {'tok/cpu-s':>10} {'peak RSS MiB':>13} {'peak net MiB':>13} "

@@ -78,3 +78,12 @@ def test_bf16_loss_and_grads_are_close_to_fp64_with_the_input_dtypes(mode):
     assert torch.allclose(loss.double(), reference, rtol=2e-2)
     assert torch.allclose(h.grad.double(), h64.grad, atol=5e-2, rtol=5e-2)
     assert torch.allclose(w.grad.double(), w64.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_second_backward_is_an_error_not_double_scaled_gradients():
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    loss, _ = linear_cross_entropy(hidden, weight, torch.randint(0, 20, (6,)), chunk_size=4)
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second time"):
+        loss.backward()

@@ -78,16 +78,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         torch.addmm(grad_weight, grad_logits.t(), h, out=grad_weight)
                     else:
                         _add_upcast_(grad_weight, torch.mm(grad_logits.t(), h, out=weight_grad_buf))
-        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        # the gradients are results, not inputs: kept on ctx and handed over once, so backward can scale them in
+        # place (a second [vocab, hidden] copy at the moment activation memory peaks is what it saves)
+        ctx.gradients = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss_sum
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        if ctx.gradients is None:
+            raise RuntimeError("backward through the fused output layer and loss a second time: its gradients "
+                               "were handed over by the first backward (retain_graph is not supported here)")
+        grad_hidden, grad_weight = ctx.gradients
+        ctx.gradients = None
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_loss.to(grad.dtype))
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
