@@ -131,10 +131,11 @@ class ParallelDims:
                     f"{divisors(config.vocab_size)}"
                 )
         if self.cp > 1:
-            if "M" in pattern:
-                raise ValueError(f"cp={self.cp}: context parallelism of Mamba-2 blocks is not supported; use cp=1")
-            if config.mtp is not None and config.mtp.num_layers:
-                raise ValueError(f"cp={self.cp}: context parallelism with MTP heads is not supported; use cp=1")
+            if "M" in pattern and config.mamba.n_groups % self.cp:
+                raise ValueError(
+                    f"cp={self.cp} does not divide mamba.n_groups={config.mamba.n_groups} (each context-parallel "
+                    f"rank scans whole B/C groups); use cp in {divisors(config.mamba.n_groups)}"
+                )
             if has_attention and att.backend not in ("sdpa", "flex"):
                 raise ValueError(
                     f"cp={self.cp}: attention backend {att.backend!r} is not supported with context parallelism; "

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
-from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
+from lightning_moe.models.config import (
+    AttentionConfig,
+    MambaConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+)
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims, parallelize
 from lightning_moe.parallel.context import load_balanced_indices, shard_batch
@@ -53,6 +60,15 @@ def tiny_config(name: str) -> ModelConfig:
             attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, out_bias=True,
                                       sinks=True, sliding_window=6, sliding_window_layers=[True, False]),
             mlp=MLPConfig(64, activation="relu2", bias=True), init_std=0.05,
+        )
+    if name == "hybrid":
+        return ModelConfig(
+            family="nemotron_h", vocab_size=64, hidden_size=32, pattern="M*ME",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8),
+            mamba=MambaConfig(num_heads=8, head_dim=4, state_size=8, n_groups=2, chunk_size=4),
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, activation="relu2", score_func="sigmoid",
+                          num_shared_experts=1),
+            mlp=None, init_std=0.05,
         )
     if name == "llama":
         return ModelConfig(

@@ -1,6 +1,6 @@
 """Every parallel layout trains like one process.
 
-Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3- and GPT-OSS-style models on packed global batches (also
+Five fp32 steps of tiny Llama-, Qwen3-MoE-, DeepSeek-V3-, GPT-OSS- and Nemotron-H-style models on packed global batches (also
 with compiled blocks): per-step losses
 equal the single-process run within 1e-5, gradient norms and first-step gradients match, and 2-way FSDP keeps
 at most 0.6x the single-process parameters + gradients + AdamW state per rank. Checkpoints saved on one mesh
@@ -33,6 +33,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("cp, packed rows", "llama", {"cp": 2}), {}),
         ("run_layout", ("cp, sinks and window", "gpt_oss_like", {"cp": 2}), {}),
         ("run_layout", ("cp, MLA", "mla_moe", {"cp": 2}), {}),
+        ("run_layout", ("cp, Mamba-2 heads traded for tokens, attention and MoE, packed rows", "hybrid",
+                        {"cp": 2}), {}),
+        ("run_layout", ("cp, MLA, MTP targets across rank boundaries", "deepseek_like", {"cp": 2}), {}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
                          str(tmp_path / "fsdp-to-tp")), {}),
     ]
@@ -46,6 +49,7 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("tp x cp, selective activation checkpointing", "qwen3_moe", {"tp": 2, "cp": 2}),
          {"activation_checkpointing": "selective", "activation_checkpointing_every": 2}),
         ("run_layout", ("tp x cp, MLA", "mla_moe", {"tp": 2, "cp": 2}), {}),
+        ("run_layout", ("fsdp x cp x ep, Mamba-2", "hybrid", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
         ("run_layout", ("hsdp x ep, 2 micro-batches per step (all-reduce across replicas deferred to the last)",
                         "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {"micro_batches": 2}),
         ("run_layout", ("ep over dp_shard x cp", "qwen3_moe", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),

@@ -74,12 +74,17 @@ class CausalConv1d(nn.Module):
             bound = 1 / math.sqrt(self.kernel)
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SequenceLayout, channels: torch.Tensor | None = None) -> torch.Tensor:
+        """``channels``: the channels ``x`` holds, when it holds a subset (context parallelism)."""
         same = None
         if layout.packed:
             docs = layout.document_ids
             same = [(docs[:, j:] == docs[:, :-j]).unsqueeze(-1).to(x.dtype) for j in range(1, self.kernel)]
-        return _CausalConv1dFunction.apply(x, self.weight, self.bias, same)
+        weight, bias = self.weight, self.bias
+        if channels is not None:
+            weight = weight.index_select(0, channels)
+            bias = None if bias is None else bias.index_select(0, channels)
+        return _CausalConv1dFunction.apply(x, weight, bias, same)
 
 
 class GatedRMSNorm(nn.Module):
@@ -94,11 +99,12 @@ class GatedRMSNorm(nn.Module):
     def reset_parameters(self, init_std: float | None = None) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, channels: slice = slice(None)) -> torch.Tensor:
+        """``channels``: the (whole groups of) channels ``x`` holds, when it holds a subset."""
         h = x.float() * F.silu(gate.float())
         groups = h.unflatten(-1, (-1, self.group_size))
         normed = F.rms_norm(groups, (self.group_size,), eps=self.eps).flatten(-2)
-        return self.weight.float() * normed
+        return self.weight[channels].float() * normed
 
 
 class Mamba2Mixer(nn.Module):
@@ -139,21 +145,48 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        gate, conv_in, dt = self.in_proj(x).split(self.in_proj_sizes, -1)
+        return self.out_proj(self.mix(gate, conv_in, dt, layout).to(x.dtype))
+
+    @property
+    def in_proj_sizes(self) -> list[int]:
+        """Output channels of ``in_proj``: gate z | conv input (x, B, C) | dt per head."""
+        return [self.inner_size, self.inner_size + 2 * self.bc_size, self.num_heads]
+
+    def group_channels(self, first: int, last: int) -> tuple[slice, torch.Tensor, slice]:
+        """Where B/C groups ``[first, last)`` and their heads sit: in the gate (and x, and the norm), in the conv
+        input (x | B | C rows), and in dt."""
+        heads_per_group, state = self.num_heads // self.cfg.n_groups, self.cfg.state_size
+        h0, h1 = first * heads_per_group, last * heads_per_group
+        device = self.conv1d.weight.device
+        x = torch.arange(h0 * self.head_dim, h1 * self.head_dim, device=device)
+        b = torch.arange(first * state, last * state, device=device) + self.inner_size
+        conv = torch.cat([x, b, b + self.bc_size])
+        return slice(h0 * self.head_dim, h1 * self.head_dim), conv, slice(h0, h1)
+
+    def mix(self, gate: torch.Tensor, conv_in: torch.Tensor, dt: torch.Tensor, layout: SequenceLayout,
+            groups: tuple[int, int] | None = None) -> torch.Tensor:
+        """Conv, scan and gated norm of the heads of B/C groups ``groups`` (default: all), whose channels of
+        ``in_proj``'s output ``gate``, ``conv_in`` and ``dt`` hold; fp32 [batch, seq, their inner channels]."""
         cfg = self.cfg
-        gate, conv_in, dt = self.in_proj(x).split([self.inner_size, self.inner_size + 2 * self.bc_size, self.num_heads], -1)
-        conv_out = F.silu(self.conv1d(conv_in, layout))
-        hidden, B, C = conv_out.split([self.inner_size, self.bc_size, self.bc_size], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.time_step_limit)
+        first, last = groups or (0, cfg.n_groups)
+        inner, conv_channels, heads = self.group_channels(first, last)
+        if groups is None:
+            conv_channels = None
+        batch, seq, _ = conv_in.shape
+        num_heads, num_groups = heads.stop - heads.start, last - first
+        bc_size = num_groups * cfg.state_size
+        conv_out = F.silu(self.conv1d(conv_in, layout, conv_channels))
+        hidden, B, C = conv_out.split([num_heads * self.head_dim, bc_size, bc_size], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias[heads].float()).clamp(*cfg.time_step_limit)
         y = ssd_chunk_scan(
-            hidden.view(batch, seq, self.num_heads, self.head_dim),
+            hidden.reshape(batch, seq, num_heads, self.head_dim),
             dt,
-            -torch.exp(self.A_log.float()),
-            B.view(batch, seq, cfg.n_groups, cfg.state_size),
-            C.view(batch, seq, cfg.n_groups, cfg.state_size),
+            -torch.exp(self.A_log[heads].float()),
+            B.reshape(batch, seq, num_groups, cfg.state_size),
+            C.reshape(batch, seq, num_groups, cfg.state_size),
             cfg.chunk_size,
-            D=self.D,
+            D=self.D[heads],
             seq_idx=layout.document_ids if layout.packed else None,
         )
-        y = self.norm(y.flatten(2), gate)
-        return self.out_proj(y.to(x.dtype))
+        return self.norm(y.flatten(2), gate, inner)

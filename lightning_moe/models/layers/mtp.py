@@ -56,8 +56,15 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 layout: SequenceLayout, decoder: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``hidden``: the main model's final normalized hidden states. Returns per-depth loss sums and counts."""
-        docs = layout.document_ids
+        """``hidden``: the main model's final normalized hidden states. Returns per-depth loss sums and counts.
+
+        Under context parallelism (``layout.context_parallel``) this rank holds some chunks of each row: the
+        tokens and targets ahead are taken from the whole row, then this rank's positions kept."""
+        row = layout.context_parallel
+        local = None
+        if row is not None:
+            input_ids, labels, local = row.full_row(input_ids), row.full_row(labels), row.query_index
+        docs = (row.full_layout if row is not None else layout).document_ids
         loss_sums, counts = [], []
         previous = hidden
         for d, depth in enumerate(self.depths, start=1):
@@ -65,6 +72,8 @@ class MultiTokenPrediction(nn.Module):
             target = shift_left(labels, d, IGNORE_INDEX)
             same_sequence = shift_left(docs, d, -1) == docs
             target = target.masked_fill(~same_sequence, IGNORE_INDEX)
+            if local is not None:
+                ahead_ids, target = ahead_ids[:, local], target[:, local]
             previous = depth(decoder.embed(ahead_ids), previous, layout)
             loss_sum, count = decoder.output_layer.loss(
                 previous, decoder.output_weight, target, self.config.loss_chunk_size
