@@ -12,11 +12,7 @@ all-gathering its local positions once per forward. Rotary embeddings use the lo
 are already the global positions of the local tokens. The loss of each rank covers its own tokens; the
 training module normalizes over data-parallel x context-parallel ranks.
 
-Mamba-2 mixers cannot split a sequence (the scan runs through it), but their heads are independent: each
-rank projects its own tokens, an all-to-all trades tokens for heads (every rank then holds the whole row for
-``n_groups / cp`` of the B/C groups and their heads), the conv, scan and gated norm run there on the row in
-its natural order, and a second all-to-all trades back before the output projection (as Megatron-Core's
-Mamba context parallelism does). Multi-token prediction takes the tokens and targets ``d`` positions ahead from
+Mamba-2 mixers trade tokens for heads (``parallel/mamba.py``). Multi-token prediction takes the tokens and targets ``d`` positions ahead from
 the whole row (:meth:`ContextParallelRow.full_row`), so they cross rank boundaries as they cross chunks.
 """
 
@@ -28,7 +24,8 @@ from torch import nn
 
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.sequence import SequenceLayout
-from lightning_moe.parallel.collectives import all_gather_autograd, all_to_all_autograd
+from lightning_moe.parallel.collectives import all_gather_autograd
+from lightning_moe.parallel.mamba import heads_over_whole_rows
 
 
 def load_balanced_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -148,36 +145,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
         if block.symbol in "*M":
             block.op.register_forward_pre_hook(attach)
         if block.symbol == "M":
-            block.mamba.forward = _context_parallel_mamba(block.mamba, group)
+            block.mamba.forward = heads_over_whole_rows(block.mamba, group, _gathered_row)
 
 
-def _context_parallel_mamba(mixer: nn.Module, group):
-    """``mixer.forward`` on this rank's tokens, with the conv and scan of its share of the heads over the row."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    share = mixer.cfg.n_groups // cp
-    groups = (rank * share, (rank + 1) * share)
-
-    def trade(parts: list[torch.Tensor]) -> torch.Tensor:
-        """``parts[r]`` [batch, seq, c] goes to rank ``r``; returns what each rank sent here, [cp, batch, seq, c]."""
-        send = torch.stack(parts)
-        received = all_to_all_autograd(send.flatten(0, 2), [send[0].shape[:2].numel()] * cp,
-                                       [send[0].shape[:2].numel()] * cp, group)
-        return received.view_as(send)
-
-    def forward(x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        row = layout.context_parallel
-        # the channels of in_proj's output each rank scans: its gate (= x) channels, conv input rows and dt heads
-        owned = [mixer.group_channels(r * share, (r + 1) * share) for r in range(cp)]
-        gate, conv_in, dt = mixer.in_proj(x).split(mixer.in_proj_sizes, -1)
-        parts = [torch.cat([gate[..., g], conv_in.index_select(-1, c), dt[..., h]], -1) for g, c, h in owned]
-        received = trade(parts)  # [source rank, batch, its tokens, my channels]
-        gathered = received.transpose(0, 1).flatten(1, 2)  # the row in gathered (key_index) order
-        natural = gathered[:, torch.argsort(row.key_index)]
-        inner, conv, heads = owned[rank]
-        sizes = [inner.stop - inner.start, conv.numel(), heads.stop - heads.start]
-        y = mixer.mix(*natural.split(sizes, -1), row.full_layout, groups).to(x.dtype)
-        back = y[:, row.key_index].unflatten(1, (cp, -1)).transpose(0, 1)  # [destination rank, batch, seq, c]
-        mine = trade(list(back.unbind(0)))  # [channel owner, batch, my tokens, its channels]
-        return mixer.out_proj(mine.permute(1, 2, 0, 3).flatten(2))
-
-    return forward
+def _gathered_row(layout: SequenceLayout) -> tuple[torch.Tensor, SequenceLayout]:
+    row = layout.context_parallel
+    return row.key_index, row.full_layout

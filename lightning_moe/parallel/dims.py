@@ -106,7 +106,12 @@ class ParallelDims:
         has_attention = "*" in pattern
         if self.tp > 1:
             if "M" in pattern:
-                raise ValueError(f"tp={self.tp}: tensor parallelism of Mamba-2 blocks is not supported; use tp=1")
+                from lightning_moe.parallel.mamba import check_head_split
+
+                check_head_split(config.mamba.n_groups, self.tp, "tp")
+                if self.cp > 1:
+                    raise ValueError(f"tp={self.tp} with cp={self.cp}: Mamba-2 blocks split rows over one of them at a "
+                                     f"time; use tp=1 or cp=1")
             if has_attention and att.type == "mla" and att.out_bias:
                 raise ValueError(f"tp={self.tp}: tensor parallelism of MLA with attention.out_bias is not supported; "
                                  f"use tp=1")
@@ -131,11 +136,10 @@ class ParallelDims:
                     f"{divisors(config.vocab_size)}"
                 )
         if self.cp > 1:
-            if "M" in pattern and config.mamba.n_groups % self.cp:
-                raise ValueError(
-                    f"cp={self.cp} does not divide mamba.n_groups={config.mamba.n_groups} (each context-parallel "
-                    f"rank scans whole B/C groups); use cp in {divisors(config.mamba.n_groups)}"
-                )
+            if "M" in pattern:
+                from lightning_moe.parallel.mamba import check_head_split
+
+                check_head_split(config.mamba.n_groups, self.cp, "cp")
             if has_attention and att.backend not in ("sdpa", "flex"):
                 raise ValueError(
                     f"cp={self.cp}: attention backend {att.backend!r} is not supported with context parallelism; "

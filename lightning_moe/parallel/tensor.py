@@ -13,9 +13,10 @@ rank saw different tokens); the load-balancing loss is the mean of the shards' l
 Use expert parallelism to spread the experts' memory.
 
 MLA splits its up projections by heads (the low-rank down projections are replicated); MTP depths reuse the
-block plans. Supported: GQA/MHA (qk-norm, biases, sinks, sliding windows) and MLA attention, dense MLPs,
-MoE, MTP, tied or untied output. Not supported (``ParallelDims.check_model`` says so before anything is
-built): Mamba-2.
+block plans. Mamba-2 mixers keep their weights replicated too: each rank projects its sequence shard and trades
+tokens for heads with the others (``parallel/mamba.py``), so the scan of a head runs over the whole row on one
+rank. Supported: GQA/MHA (qk-norm, biases, sinks, sliding windows) and MLA attention, Mamba-2, dense MLPs, MoE,
+MTP, tied or untied output.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from lightning_moe.models.layers.loss import OutputLayer, linear_cross_entropy
 from lightning_moe.parallel.collectives import all_gather_autograd, reduce_scatter_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
+from lightning_moe.parallel.mamba import heads_over_whole_rows
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
@@ -53,6 +55,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
                 _replicate_over_sequence_shards(module, tp_mesh)
     for block in blocks:
         parallelize_module(block, tp_mesh, _block_plan(block))
+        if block.symbol == "M":
+            _replicate_over_sequence_shards(block.mamba, tp_mesh)
+            block.mamba.forward = heads_over_whole_rows(block.mamba, tp_mesh.get_group(), _rows_in_order)
         if block.symbol == "E":
             _replicate_over_sequence_shards(block.moe, tp_mesh)
             block.moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
@@ -62,6 +67,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks, tp_mesh, [Shard(0)]))
             use_local_parameters(block.attn, names=["sinks"])
     model.output_layer = VocabParallelOutput(tp_mesh)
+
+
+def _rows_in_order(layout):
+    # sequence shards are contiguous and the ranks see the whole batch: the layout is already the whole row's
+    return None, layout
 
 
 def _block_plan(block: nn.Module) -> dict:

@@ -64,8 +64,12 @@ def test_dp_shard_takes_the_remaining_ranks():
      {"tp": 2}, r"tp=2: tensor parallelism of MLA with attention.out_bias is not supported"),
     (dense(backend="te"), {"cp": 2}, r"cp=2: attention backend 'te' is not supported with context parallelism"),
     (ModelConfig(vocab_size=96, hidden_size=32, pattern="M-", mlp=MLPConfig(48), mamba=MambaConfig(num_heads=4)),
-     {"cp": 2}, r"cp=2 does not divide mamba.n_groups=1 \(each context-parallel rank scans whole B/C groups\); "
-                r"use cp in \[1\]"),
+     {"cp": 2}, r"cp=2 does not divide mamba.n_groups=1 \(each cp rank scans whole B/C groups\); use cp in \[1\]"),
+    (ModelConfig(vocab_size=96, hidden_size=32, pattern="M-", mlp=MLPConfig(48), mamba=MambaConfig(num_heads=4)),
+     {"tp": 2}, r"tp=2 does not divide mamba.n_groups=1 \(each tp rank scans whole B/C groups\); use tp in \[1\]"),
+    (ModelConfig(vocab_size=96, hidden_size=32, pattern="M-", mlp=MLPConfig(48),
+                 mamba=MambaConfig(num_heads=4, n_groups=2)),
+     {"tp": 2, "cp": 2}, r"tp=2 with cp=2: Mamba-2 blocks split rows over one of them at a time; use tp=1 or cp=1"),
 ])
 def test_models_that_do_not_split(config, sizes, message):
     dims = ParallelDims(**sizes, world_size=sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("ep", 1))
