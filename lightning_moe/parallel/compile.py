@@ -27,9 +27,15 @@ def checkpoint_and_compile(model: nn.Module, mode: str, every: int, compile: boo
         apply_activation_checkpointing(model, mode, every)
 
 
-def check_backend(backend: str) -> None:
-    """A one-line error for a ``torch.compile`` backend that does not exist, before any model is built."""
+def check_compile(backend: str, tp: int) -> None:
+    """One-line errors for a ``torch.compile`` backend that does not exist, and for compiling under tensor
+    parallelism (DTensor redistribution in the blocks' backward fails inside compiled graphs), before any model
+    is built."""
     import torch._dynamo
+
+    if tp > 1:
+        raise ValueError(f"compile=True with tp={tp}: compiled blocks under tensor parallelism are not supported; "
+                         f"use compile=False or tp=1")
 
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"compile_backend={backend!r} is not a torch.compile backend; the main ones: "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.compile import checkpoint_and_compile
+from lightning_moe.parallel.compile import check_compile, checkpoint_and_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
@@ -108,6 +108,8 @@ def parallelize_hf(
     """Split ``model`` (an ``HFModel`` on the meta device, after converters) over the meshes of ``dims``; the
     options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
     check_hf_model(dims, model)
+    if compile:
+        check_compile(compile_backend, dims.tp)
     if dims.tp > 1:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 

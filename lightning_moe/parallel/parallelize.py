@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.compile import checkpoint_and_compile
+from lightning_moe.parallel.compile import check_compile, checkpoint_and_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -48,6 +48,8 @@ def parallelize(
             compile=compile, compile_backend=compile_backend,
         )
     dims.check_model(model.config)
+    if compile:
+        check_compile(compile_backend, dims.tp)
     if dims.tp > 1:
         from lightning_moe.parallel.tensor import apply_tensor_parallel
 

@@ -33,7 +33,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_moe.parallel.activation_checkpoint import check_mode
-from lightning_moe.parallel.compile import check_backend
+from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims, check_sizes
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -90,7 +90,7 @@ class ParallelStrategy(ModelParallelStrategy):
         check_sizes(dp_replicate, dp_shard, cp, tp, ep)
         check_mode(activation_checkpointing, activation_checkpointing_every)
         if compile:
-            check_backend(compile_backend)
+            check_compile(compile_backend, tp)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}

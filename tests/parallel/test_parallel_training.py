@@ -37,6 +37,8 @@ def test_two_rank_layouts_match_single_process(tmp_path):
                         {"cp": 2}), {}),
         ("run_layout", ("cp, MLA, MTP targets across rank boundaries", "deepseek_like", {"cp": 2}), {}),
         ("run_layout", ("tp+sp, Mamba-2 heads traded for sequence shards", "hybrid", {"tp": 2}), {}),
+        ("run_layout", ("cp, compiled blocks with activation checkpointing inside", "hybrid", {"cp": 2}),
+         {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
                          str(tmp_path / "fsdp-to-tp")), {}),
     ]
