@@ -125,5 +125,12 @@ class BaseDataModule(L.LightningDataModule):
             rank_zero_warn(f"resuming with seed {self.seed} but the checkpoint used {state_dict['seed']}: "
                            "the sample order differs from the original run")
         self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+        for key in ("micro_batch_size", "global_batch_size"):
+            saved, now = state_dict.get(key), getattr(self, key)
+            if saved is not None and now is not None and saved != now:
+                rank_zero_warn(f"resuming with {key} {now} but the checkpoint used {saved}: the data position "
+                               f"carries over in samples ({self.consumed_samples} consumed), so no sample is repeated "
+                               f"or skipped, but the run's steps from here hold different batches than the "
+                               f"original run's")
         if self._train_sampler is not None:
             self._train_sampler.consumed_samples = self.consumed_samples

@@ -138,3 +138,13 @@ def test_state_dict_round_trip_without_trainer():
     rest = [b["input_ids"] for b in fresh.train_dataloader()]
     assert len(rest) == len(full) - 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:]))
     assert np.all([b.shape == (2, 4) for b in rest])
+
+
+def test_resuming_with_another_global_batch_size_warns_and_keeps_the_position():
+    dm = MockDataModule(seq_length=4, micro_batch_size=2, global_batch_size=4, num_train_samples=40, vocab_size=100)
+    dm.advance(4)
+    resumed = MockDataModule(seq_length=4, micro_batch_size=2, global_batch_size=8, num_train_samples=40,
+                             vocab_size=100)
+    with pytest.warns(UserWarning, match=r"resuming with global_batch_size 8 but the checkpoint used 4: .*8 consumed"):
+        resumed.load_state_dict(dm.state_dict())
+    assert resumed.consumed_samples == 8
