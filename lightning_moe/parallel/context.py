@@ -76,11 +76,20 @@ class ContextParallelRow:
         positions = torch.empty(rows, seq_len, dtype=position_ids.dtype, device=device)
         positions[:, self.key_index] = torch.cat(gathered, dim=1)
         documents = torch.cumsum(positions == 0, dim=1)
-        self.full_layout = SequenceLayout(positions)  # the whole row in its natural order
+        self.positions = positions  # of the whole row, in its natural order
+        self._full_layout: SequenceLayout | None = None
         self.query_documents = documents[:, self.query_index]
         self.key_documents = documents[:, self.key_index]
         self.batch = rows
         self._masks: dict = {}
+
+    @property
+    def full_layout(self) -> SequenceLayout:
+        """The layout of the whole row (Mamba-2 scans and MTP targets need it), built on first use: telling
+        whether the row is packed waits for the device."""
+        if self._full_layout is None:
+            self._full_layout = SequenceLayout(self.positions)
+        return self._full_layout
 
     def full_row(self, local: torch.Tensor) -> torch.Tensor:
         """A [batch, local_seq] tensor without gradient (token ids, labels) of every rank -> the whole row, in order."""
