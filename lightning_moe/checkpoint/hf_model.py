@@ -142,7 +142,7 @@ def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, dtype: torch.d
     """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``), from its Lightning
     checkpoint read by ``read_run_checkpoint`` -> a Hugging Face directory. LoRA runs are exported merged; their
     checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
-    from lightning_moe.checkpoint.run import PREFIX
+    from lightning_moe.checkpoint.run import model_tensors
     from lightning_moe.models.hf import build_hf_model, hf_converters
 
     hparams = checkpoint["hyper_parameters"]
@@ -151,8 +151,7 @@ def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, dtype: torch.d
     task = checkpoint.get("hf_task") or _task_of_model_type(cfg)
     model = build_hf_model(cfg, task=task, convert=hf_converters(peft=hparams.get("peft")),
                            seed=hparams.get("seed", 0))
-    state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
-    copy_tensors_into(model, state)
+    copy_tensors_into(model, model_tensors(checkpoint))
     return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
 
 

@@ -8,6 +8,7 @@ Native full fine-tuning and pretraining runs hold every weight; they export thro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,19 @@ def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
         # memory-mapped: tensors are paged in when used, so optimizer states an export never reads stay on disk
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
+
+
+def model_tensor_keys(checkpoint: dict[str, Any]) -> dict[str, str]:
+    """The model's entries of a run checkpoint: model name -> checkpoint key (``model.`` + name)."""
+    return {key.removeprefix(PREFIX): key for key in checkpoint["state_dict"] if key.startswith(PREFIX)}
+
+
+def model_tensors(checkpoint: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the model's entries, each read when reached (a distributed checkpoint reads it from
+    its shards then)."""
+    stored = checkpoint["state_dict"]
+    for name, key in model_tensor_keys(checkpoint).items():
+        yield name, stored[key]
 
 
 def trained_hyperparameters(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -93,12 +107,11 @@ def _export_native_run(ckpt, checkpoint: dict[str, Any], hparams: dict[str, Any]
     if config is None:
         raise ValueError(f"{ckpt}: the run names neither `model` nor `pretrained`; cannot tell its architecture")
     # names only: each tensor is read when the export writes it (a distributed checkpoint reads it from its shards)
-    stored = checkpoint["state_dict"]
-    names = {n.removeprefix(PREFIX): n for n in stored if n.startswith(PREFIX)}
-    missing = sorted(set(expected_tensors(config)) - set(names))
+    stored, keys = checkpoint["state_dict"], model_tensor_keys(checkpoint)
+    missing = sorted(set(expected_tensors(config)) - set(keys))
     if missing:
         raise ValueError(f"{ckpt}: the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
     return export_hf_tensors(
-        config, lambda name: stored[names[name]], out, hf_config=getattr(source, "hf_config", None),
+        config, lambda name: stored[keys[name]], out, hf_config=getattr(source, "hf_config", None),
         aux_dir=getattr(source, "directory", None), **options,
     )

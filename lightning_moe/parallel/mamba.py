@@ -43,10 +43,12 @@ def heads_over_whole_rows(mixer: nn.Module, group, rows: RowOrder):
         rows_each = [send[0].shape[:2].numel()] * size
         return all_to_all_autograd(send.flatten(0, 2), rows_each, rows_each, group).view_as(send)
 
+    owned: list = []  # per rank: its gate (= x) channels, conv input rows and dt heads of in_proj's output
+
     def forward(x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
         held, whole = rows(layout)
-        # the channels of in_proj's output each rank scans: its gate (= x) channels, conv input rows and dt heads
-        owned = [mixer.group_channels(r * share, (r + 1) * share) for r in range(size)]
+        if not owned:  # once the weights are materialized, on their device
+            owned.extend(mixer.group_channels(r * share, (r + 1) * share) for r in range(size))
         gate, conv_in, dt = mixer.in_proj(x).split(mixer.in_proj_sizes, -1)
         parts = [torch.cat([gate[..., g], conv_in.index_select(-1, c), dt[..., h]], -1) for g, c, h in owned]
         received = trade(parts)  # [source rank, batch, its tokens, my channels]
@@ -55,7 +57,7 @@ def heads_over_whole_rows(mixer: nn.Module, group, rows: RowOrder):
             row = row[:, torch.argsort(held)]
         inner, conv, heads = owned[rank]
         sizes = [inner.stop - inner.start, conv.numel(), heads.stop - heads.start]
-        y = mixer.mix(*row.split(sizes, -1), whole, mine).to(x.dtype)
+        y = mixer.mix(*row.split(sizes, -1), whole, mine, conv).to(x.dtype)
         if held is not None:
             y = y[:, held]
         back = trade(list(y.unflatten(1, (size, -1)).unbind(1)))  # [channel owner, batch, my tokens, its channels]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint, trained_hyperparameters
+from lightning_moe.checkpoint.run import model_tensors, read_run_checkpoint, trained_hyperparameters
 
 
 def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
@@ -38,8 +38,7 @@ def load_lora_run(ckpt: str | Path) -> tuple[nn.Module, Any]:
     peft = hparams["peft"]
     model = build_decoder(hparams.get("model") or source.config, seed=hparams.get("seed", 0), source=source,
                           peft=peft)
-    state = [(name.removeprefix(PREFIX), t) for name, t in checkpoint["state_dict"].items() if name.startswith(PREFIX)]
-    copy_tensors_into(model, state)
+    copy_tensors_into(model, model_tensors(checkpoint))
     return model.eval(), source
 
 

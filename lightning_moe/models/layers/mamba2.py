@@ -156,23 +156,26 @@ class Mamba2Mixer(nn.Module):
     def group_channels(self, first: int, last: int) -> tuple[slice, torch.Tensor, slice]:
         """Where B/C groups ``[first, last)`` and their heads sit: in the gate (and x, and the norm), in the conv
         input (x | B | C rows), and in dt."""
-        heads_per_group, state = self.num_heads // self.cfg.n_groups, self.cfg.state_size
-        h0, h1 = first * heads_per_group, last * heads_per_group
-        device = self.conv1d.weight.device
-        x = torch.arange(h0 * self.head_dim, h1 * self.head_dim, device=device)
+        inner, heads = self._group_slices(first, last)
+        state, device = self.cfg.state_size, self.conv1d.weight.device
         b = torch.arange(first * state, last * state, device=device) + self.inner_size
-        conv = torch.cat([x, b, b + self.bc_size])
-        return slice(h0 * self.head_dim, h1 * self.head_dim), conv, slice(h0, h1)
+        conv = torch.cat([torch.arange(inner.start, inner.stop, device=device), b, b + self.bc_size])
+        return inner, conv, heads
+
+    def _group_slices(self, first: int, last: int) -> tuple[slice, slice]:
+        """The inner (gate, x, norm) channels and the heads of B/C groups ``[first, last)``."""
+        heads_per_group = self.num_heads // self.cfg.n_groups
+        h0, h1 = first * heads_per_group, last * heads_per_group
+        return slice(h0 * self.head_dim, h1 * self.head_dim), slice(h0, h1)
 
     def mix(self, gate: torch.Tensor, conv_in: torch.Tensor, dt: torch.Tensor, layout: SequenceLayout,
-            groups: tuple[int, int] | None = None) -> torch.Tensor:
+            groups: tuple[int, int] | None = None, conv_channels: torch.Tensor | None = None) -> torch.Tensor:
         """Conv, scan and gated norm of the heads of B/C groups ``groups`` (default: all), whose channels of
-        ``in_proj``'s output ``gate``, ``conv_in`` and ``dt`` hold; fp32 [batch, seq, their inner channels]."""
+        ``in_proj``'s output ``gate``, ``conv_in`` (rows ``conv_channels`` of the conv, from ``group_channels``)
+        and ``dt`` hold; fp32 [batch, seq, their inner channels]."""
         cfg = self.cfg
         first, last = groups or (0, cfg.n_groups)
-        inner, conv_channels, heads = self.group_channels(first, last)
-        if groups is None:
-            conv_channels = None
+        inner, heads = self._group_slices(first, last)
         batch, seq, _ = conv_in.shape
         num_heads, num_groups = heads.stop - heads.start, last - first
         bc_size = num_groups * cfg.state_size

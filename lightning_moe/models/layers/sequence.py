@@ -33,7 +33,7 @@ class SequenceLayout:
         self.batch, self.seq_len = position_ids.shape
         # one host sync per forward: unpacked batches take the fast causal kernels
         self.packed = bool((position_ids[:, 1:] == 0).any()) if packed is None else packed
-        self._masks: dict = {}
+        self._cache: dict = {}  # masks, document ids and offsets, computed on first use
 
     @classmethod
     def from_inputs(cls, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> SequenceLayout:
@@ -46,33 +46,33 @@ class SequenceLayout:
             )
         return cls(position_ids)
 
-    # computed on first use and kept in ``_masks`` (not ``functools.cached_property``: its lock stops
+    # computed on first use and kept in ``_cache`` (not ``functools.cached_property``: its lock stops
     # torch.compile from tracing compiled blocks that read them)
     @property
     def document_ids(self) -> torch.Tensor:
         """[batch, seq] index of the sequence each token belongs to (0, 1, ... within each row)."""
-        if "documents" not in self._masks:
+        if "documents" not in self._cache:
             positions = self.position_ids
-            self._masks["documents"] = torch.cumsum(positions == 0, dim=1) - (positions[:, :1] == 0).long()
-        return self._masks["documents"]
+            self._cache["documents"] = torch.cumsum(positions == 0, dim=1) - (positions[:, :1] == 0).long()
+        return self._cache["documents"]
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """Cumulative sequence lengths over the flattened batch (int32), the varlen kernels' format."""
-        if "cu_seqlens" not in self._masks:
+        if "cu_seqlens" not in self._cache:
             starts = self.position_ids == 0
             starts[:, 0] = True
             idx = torch.nonzero(starts.flatten(), as_tuple=True)[0].to(torch.int32)
             total = torch.tensor([self.batch * self.seq_len], dtype=torch.int32, device=idx.device)
-            self._masks["cu_seqlens"] = torch.cat([idx, total])
-        return self._masks["cu_seqlens"]
+            self._cache["cu_seqlens"] = torch.cat([idx, total])
+        return self._cache["cu_seqlens"]
 
     def dense_mask(self, window: int | None = None, force: bool = False) -> torch.Tensor | None:
         """Boolean [batch, 1, seq, seq] mask (True = attend), or None where plain causal attention is exact."""
         if not (self.packed or window is not None or force):
             return None
         key = ("dense", window)
-        if key not in self._masks:
+        if key not in self._cache:
             idx = torch.arange(self.seq_len, device=self.position_ids.device)
             mask = idx[:, None] >= idx[None, :]
             if window is not None:
@@ -81,13 +81,13 @@ class SequenceLayout:
             if self.packed:
                 docs = self.document_ids
                 mask = mask & (docs[:, :, None] == docs[:, None, :])
-            self._masks[key] = mask.expand(self.batch, -1, -1).unsqueeze(1)
-        return self._masks[key]
+            self._cache[key] = mask.expand(self.batch, -1, -1).unsqueeze(1)
+        return self._cache[key]
 
     def block_mask(self, window: int | None = None):
         """flex_attention BlockMask for causal attention within each sequence (and window)."""
         key = ("block", window)
-        if key not in self._masks:
+        if key not in self._cache:
             docs = self.document_ids
             packed = self.packed
 
@@ -100,7 +100,7 @@ class SequenceLayout:
                 return keep
 
             batch = self.batch if packed else None
-            self._masks[key] = create_block_mask(
+            self._cache[key] = create_block_mask(
                 mask_mod, batch, None, self.seq_len, self.seq_len, device=self.position_ids.device
             )
-        return self._masks[key]
+        return self._cache[key]
