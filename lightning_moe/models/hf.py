@@ -337,18 +337,9 @@ def hf_converters(fp8=None, peft=None, freeze: list[str] | None = None) -> Calla
         return None
 
     def convert(model: HFModel) -> None:
-        if fp8 is not None:
-            from lightning_moe.precision import apply_float8
+        from lightning_moe.models.converters import apply_converters
 
-            apply_float8(model.hf, fp8)
-        if peft is not None:
-            from lightning_moe.peft import apply_lora
-
-            apply_lora(model.hf, peft)
-        if freeze:
-            from lightning_moe.peft import freeze_parameters
-
-            freeze_parameters(model.hf, freeze)
+        apply_converters(model.hf, fp8, peft, freeze)
 
     return convert
 

@@ -26,6 +26,7 @@ from lightning_moe.models.config import (
     MTPConfig,
     RopeConfig,
 )
+from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.models.hf import HFModel, HFModelConfig
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
@@ -43,18 +44,7 @@ def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, paralleliz
     ``source`` is given -> the starting adapter, if any."""
     with torch.device("meta"):
         model = Decoder(config)
-    if fp8 is not None:
-        from lightning_moe.precision import apply_float8
-
-        apply_float8(model, fp8)
-    if peft is not None:
-        from lightning_moe.peft import apply_lora
-
-        apply_lora(model, peft)
-    if freeze:
-        from lightning_moe.peft import freeze_parameters
-
-        freeze_parameters(model, freeze)
+    apply_converters(model, fp8, peft, freeze)
     if parallelize is not None:
         parallelize(model)
     model.to_empty(device=device)
