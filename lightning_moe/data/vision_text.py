@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_moe.data.collate import collate_rows
+from lightning_moe.data.collate import Collator
 from lightning_moe.data.formats import RowError, shift_labels
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id
 
@@ -174,17 +174,12 @@ def pack_samples(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-class VisionCollator:
-    """Rows -> a batch: text keys as :func:`collate_rows` pads them, ``mm_token_type_ids`` padded with 0, images
-    of all rows concatenated in row order. ``pad_to``: fixed row width (packed rows); None: the longest row,
-    rounded up to ``pad_to_multiple_of``."""
-
-    def __init__(self, pad_id: int, pad_to: int | None = None, pad_to_multiple_of: int = 1) -> None:
-        self.pad_id, self.pad_to, self.pad_to_multiple_of = pad_id, pad_to, pad_to_multiple_of
+class VisionCollator(Collator):
+    """Rows -> a batch: text keys padded as :class:`Collator` pads them, ``mm_token_type_ids`` padded with 0,
+    images of all rows concatenated in row order."""
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = collate_rows([{k: r[k] for k in TEXT_KEYS} for r in rows], self.pad_id, self.pad_to,
-                             self.pad_to_multiple_of)
+        batch = super().__call__([{k: r[k] for k in TEXT_KEYS} for r in rows])
         types = torch.zeros_like(batch["input_ids"])
         for i, row in enumerate(rows):
             types[i, : len(row["mm_token_type_ids"])] = torch.from_numpy(row["mm_token_type_ids"])
