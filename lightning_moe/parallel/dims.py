@@ -2,10 +2,12 @@
 
 Dense parameters live on the world mesh ``(dp_replicate, dp_shard, cp, tp)`` (row-major over ranks, so
 tensor-parallel peers are neighbours). Experts live on a second mesh over the same ranks,
-``(dp_replicate, ep_shard, ep)``: expert parallelism is carved out of the ``dp_shard * cp`` ranks, as in
-torchtitan and Megatron, and the remaining ``ep_shard = dp_shard * cp / ep`` ranks shard the experts with
-FSDP. Both layouts enumerate ranks the same way, so the ``ep`` peers of a rank are ranks that hold
-different data (different data-parallel or context-parallel indices).
+``(dp_replicate, ep_shard, ep)``: expert parallelism is carved out of the ``dp_shard * cp * tp`` ranks
+(Megatron-Core's parallel folding, torchtitan's rule), and the remaining ``ep_shard = dp_shard * cp * tp / ep``
+ranks shard the experts with FSDP. Routed experts are never split by tensor parallelism: under TP each rank
+routes its own sequence shard, so tensor-parallel peers hold different tokens for the experts, just as
+data- and context-parallel peers do. Both layouts enumerate ranks the same way, so the ``ep`` peers of a
+rank are ranks that hold different tokens.
 
 Named sub-meshes (``dims.mesh(name)``):
     ``dp``            dp_replicate x dp_shard: ranks that see different batches (the sampler's rank)
@@ -60,15 +62,11 @@ class ParallelDims:
                 f"!= world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the rest, or sizes "
                 f"that multiply to {self.world_size}"
             )
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.expert_region % self.ep:
             raise ValueError(
-                f"ep={self.ep} does not divide dp_shard*cp = {self.dp_shard * self.cp} (experts are spread over the "
-                f"data-parallel shard and context-parallel ranks); use ep in {divisors(self.dp_shard * self.cp)}"
-            )
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(
-                f"ep={self.ep} together with tp={self.tp} is not supported; use tp=1 with expert parallelism, "
-                f"or ep=1 with tensor parallelism (MoE layers then run each rank's sequence shard)"
+                f"ep={self.ep} does not divide dp_shard*cp*tp = {self.dp_shard}*{self.cp}*{self.tp} = "
+                f"{self.expert_region} (experts are spread over the data-parallel shard, context-parallel and "
+                f"tensor-parallel ranks); use ep in {divisors(self.expert_region)}"
             )
 
     # ------------------------------------------------------------------ sizes
@@ -83,8 +81,13 @@ class ParallelDims:
         return self.dp_size * self.cp
 
     @property
+    def expert_region(self) -> int:
+        """Ranks that hold different tokens for the experts inside a replica: ``dp_shard * cp * tp``."""
+        return self.dp_shard * self.cp * self.tp
+
+    @property
     def ep_shard(self) -> int:
-        return self.dp_shard * self.cp // self.ep
+        return self.expert_region // self.ep
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -125,6 +128,12 @@ class ParallelDims:
                         raise ValueError(
                             f"tp={self.tp} does not divide {key}={value}; use tp in {divisors(heads)}"
                         )
+            moe = config.moe
+            if "E" in pattern and moe is not None and moe.num_shared_experts and moe.shared_size % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide the shared experts' intermediate size {moe.shared_size} "
+                    f"(moe.shared_intermediate_size); use tp in {divisors(moe.shared_size)}"
+                )
             if "-" in pattern and config.mlp.intermediate_size % self.tp:
                 raise ValueError(
                     f"tp={self.tp} does not divide mlp.intermediate_size={config.mlp.intermediate_size}; "
@@ -150,7 +159,7 @@ class ParallelDims:
                 raise ValueError(f"ep={self.ep} but the model has no MoE layers; use ep=1")
             experts = config.moe.num_experts
             if experts % self.ep:
-                usable = [d for d in divisors(experts) if (self.dp_shard * self.cp) % d == 0]
+                usable = [d for d in divisors(experts) if self.expert_region % d == 0]
                 raise ValueError(f"ep={self.ep} does not divide moe.num_experts={experts}; use ep in {usable}")
 
     def check_seq_length(self, seq_length: int, where: str = "sequence length") -> None:

@@ -55,7 +55,7 @@ def parallelize(
 
         refuse_converted_layers(model, f"tp={dims.tp}")
 
-        apply_tensor_parallel(model, dims.mesh("tp"))
+        apply_tensor_parallel(model, dims.mesh("tp"), expert_parallel=dims.ep > 1)
     if dims.ep > 1:
         from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
 

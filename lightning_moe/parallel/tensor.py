@@ -7,10 +7,12 @@ input rows, and their partial sums are reduce-scattered back to sequence shards.
 vocabulary rows, and so is the output layer, whose cross entropy is vocabulary-parallel (local log-sum-exp
 and target logit, all-reduced), so full-vocabulary logits never exist on one rank.
 
-MoE blocks are not split by channels: each rank routes its own sequence shard through the whole MoE, whose
-parameters are replicated over the tensor-parallel ranks and whose gradients are summed over them (every
-rank saw different tokens); the load-balancing loss is the mean of the shards' losses, as for micro-batches.
-Use expert parallelism to spread the experts' memory.
+Routed experts are never split by channels: each rank routes its own sequence shard (the router and a latent
+projection are replicated over the tensor-parallel ranks, their gradients summed, as every rank saw different
+tokens) and dispatches it to the experts. Without expert parallelism the experts are replicated likewise; with
+it they are split over the ``ep`` mesh, which may span tensor-parallel ranks (``parallel/dims.py``). Shared
+experts are a dense MLP: split by channels like one, on the gathered sequence. The load-balancing loss is the
+mean of the shards' losses, as for micro-batches.
 
 MLA splits its up projections by heads (the low-rank down projections are replicated); MTP depths reuse the
 block plans. Mamba-2 mixers keep their weights replicated too: each rank projects its sequence shard and trades
@@ -34,8 +36,9 @@ from lightning_moe.parallel.local_params import use_local_parameters
 from lightning_moe.parallel.mamba import heads_over_whole_rows
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """Split ``model`` (a Decoder, still on the meta device) over ``tp_mesh``."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = False) -> None:
+    """Split ``model`` (a Decoder, still on the meta device) over ``tp_mesh``; with ``expert_parallel`` the
+    routed experts are left for expert parallelism to split."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -59,7 +62,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             _replicate_over_sequence_shards(block.mamba, tp_mesh)
             block.mamba.forward = heads_over_whole_rows(block.mamba, tp_mesh.get_group(), _rows_in_order)
         if block.symbol == "E":
-            _replicate_over_sequence_shards(block.moe, tp_mesh)
+            replicated = ["router", "fc1_latent_proj", "fc2_latent_proj"] + ([] if expert_parallel else ["experts"])
+            for name in replicated:
+                if hasattr(block.moe, name):
+                    _replicate_over_sequence_shards(getattr(block.moe, name), tp_mesh)
             block.moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
         if block.symbol == "*" and block.attn.cfg.type == "mla":
             _shard_mla(block.attn, tp_mesh)
@@ -94,11 +100,23 @@ def _block_plan(block: nn.Module) -> dict:
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     elif block.symbol == "-":
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        if block.mlp.activation == "swiglu":
-            plan["mlp.gate_proj"] = ColwiseParallel()
-        plan["mlp.up_proj"] = ColwiseParallel()
-        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        plan.update(_mlp_plan("mlp", block.mlp))
+    elif block.symbol == "E" and block.moe.shared_experts is not None:
+        plan.update(_mlp_plan("moe.shared_experts", block.moe.shared_experts))
+    return plan
+
+
+def _mlp_plan(name: str, mlp: nn.Module) -> dict:
+    """A dense MLP on the gathered sequence: gate/up split by output channels, down by input rows, its partial
+    sums reduce-scattered back to sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    plan = {name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    if mlp.activation == "swiglu":
+        plan[f"{name}.gate_proj"] = ColwiseParallel()
+    plan[f"{name}.up_proj"] = ColwiseParallel()
+    plan[f"{name}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
     return plan
 
 

@@ -34,8 +34,8 @@ def moe(num_experts: int = 8) -> ModelConfig:
 @pytest.mark.parametrize("sizes, world, message", [
     ({"tp": 2, "dp_shard": 2}, 8, r"dp_replicate\*dp_shard\*cp\*tp = 1\*2\*1\*2 = 4 != world size 8 .*dp_shard=-1"),
     ({"tp": 3}, 8, r"dp_replicate\*cp\*tp = 1\*1\*3 = 3 does not divide the world size 8"),
-    ({"ep": 3}, 4, r"ep=3 does not divide dp_shard\*cp = 4 .*use ep in \[1, 2, 4\]"),
-    ({"ep": 2, "tp": 2}, 4, r"ep=2 together with tp=2 is not supported"),
+    ({"ep": 3}, 4, r"ep=3 does not divide dp_shard\*cp\*tp = 4\*1\*1 = 4 .*use ep in \[1, 2, 4\]"),
+    ({"ep": 8, "tp": 2}, 4, r"ep=8 does not divide dp_shard\*cp\*tp = 2\*1\*2 = 4 .*use ep in \[1, 2, 4\]"),
     ({"cp": 0}, 4, r"cp=0 must be a positive integer"),
     ({"dp_shard": -2}, 4, r"dp_shard=-2 must be a positive integer, or -1"),
     ({"tp": 2.0}, 4, r"tp=2.0 must be an integer"),
@@ -50,6 +50,13 @@ def test_dp_shard_takes_the_remaining_ranks():
     assert dims.sizes == {"dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 1}
     assert (dims.dp_size, dims.dp_cp_size) == (4, 8)
     assert ParallelDims(dp_shard=4, cp=2, ep=4, world_size=8).ep_shard == 2
+
+
+@pytest.mark.parametrize("world, ep_shard", [(8, 1), (16, 2)])
+def test_expert_parallelism_folds_over_tensor_parallel_ranks(world, ep_shard):
+    """Nemotron's published tp=2, ep=8 on one and two 8-GPU nodes: ep spans dp_shard x tp on 8 ranks."""
+    dims = ParallelDims(tp=2, ep=8, world_size=world)
+    assert (dims.dp_shard, dims.ep_shard) == (world // 2, ep_shard)
 
 
 @pytest.mark.parametrize("config, sizes, message", [

@@ -6,7 +6,8 @@ equal the single-process run within 1e-5, gradient norms and first-step gradient
 at most 0.6x the single-process parameters + gradients + AdamW state per rank. Checkpoints saved on one mesh
 resume on another and continue the same loss curve. Gradient accumulation under HSDP (the all-reduce
 across replicas deferred to a step's last micro-batch) trains like one process on the whole global batch.
-One launch per world size runs all its layouts.
+Tensor and expert parallelism share ranks (experts split over
+dp_shard x tp). One launch per world size runs all its layouts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_two_rank_layouts_match_single_process(tmp_path):
                         {"cp": 2}), {}),
         ("run_layout", ("cp, MLA, MTP targets across rank boundaries", "deepseek_like", {"cp": 2}), {}),
         ("run_layout", ("tp+sp, Mamba-2 heads traded for sequence shards", "hybrid", {"tp": 2}), {}),
+        ("run_layout", ("tp x ep over the tp ranks (no FSDP), Mamba-2, shared expert", "hybrid",
+                        {"tp": 2, "ep": 2}), {}),
         ("run_layout", ("cp, compiled blocks with activation checkpointing inside", "hybrid", {"cp": 2}),
          {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
@@ -56,6 +59,10 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("hsdp x ep, 2 micro-batches per step (all-reduce across replicas deferred to the last)",
                         "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {"micro_batches": 2}),
         ("run_layout", ("ep over dp_shard x cp", "qwen3_moe", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
+        ("run_layout", ("tp x ep=2 (ep over the tp ranks, experts FSDP over dp_shard), MLA, shared expert, MTP",
+                        "deepseek_like", {"tp": 2, "ep": 2}), {}),
+        ("run_layout", ("tp x ep=4 (ep over dp_shard x tp), MLA, shared expert, MTP", "deepseek_like",
+                        {"tp": 2, "ep": 4}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
                          {"dp_replicate": 2, "dp_shard": 2}, str(tmp_path / "ep-to-hsdp")), {}),
     ]
