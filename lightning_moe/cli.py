@@ -32,6 +32,24 @@ def default_callbacks() -> list:
     return [Throughput(), PeakMemory(), HealthCheck(), RunCard()]
 
 
+def replace_lightning_defaults(callbacks: list) -> list:
+    """Lightning's default rich progress bar and model summary (exactly those classes, with their settings)
+    become the package's: a bar in optimizer steps, a summary with model FLOPs. Other choices stay."""
+    from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+
+    from lightning_moe.callbacks import ModelSummary, StepProgressBar
+
+    replaced = []
+    for callback in callbacks:
+        if type(callback) is RichProgressBar:
+            callback = StepProgressBar(refresh_rate=callback.refresh_rate, leave=callback._leave,
+                                       theme=callback.theme, console_kwargs=callback._console_kwargs)
+        elif type(callback) is RichModelSummary:
+            callback = ModelSummary(max_depth=callback._max_depth, **callback._summarize_kwargs)
+        replaced.append(callback)
+    return replaced
+
+
 def add_missing_callbacks(callbacks: list) -> list:
     """The default callbacks of a kind the configuration did not already list (a recipe's own settings, or its
     subclass of a default, win)."""
@@ -45,7 +63,7 @@ def run_training_cli(argv: list[str] | None) -> None:
     class CLI(LightningCLI):
         def instantiate_trainer(self, **kwargs):
             trainer = super().instantiate_trainer(**kwargs)
-            trainer.callbacks[:] = add_missing_callbacks(list(trainer.callbacks))
+            trainer.callbacks[:] = replace_lightning_defaults(add_missing_callbacks(list(trainer.callbacks)))
             return trainer
 
     # make the package's modules and data modules known to jsonargparse by their short names

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the measured CPU matmul peak (MFU on CPU) is cached per test session, not in the user's cache folder
+os.environ.setdefault("LIGHTNING_MOE_CACHE", tempfile.mkdtemp(prefix="lightning-moe-cache-"))
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")

@@ -1,5 +1,6 @@
 """Callbacks Lightning lacks: throughput (tokens/s/GPU, TFLOP/s/GPU, MFU), peak memory, health (NaN/inf
-skip or stop) and the run card (``run_card.json`` / ``run_card.md``).
+skip or stop) and the run card (``run_card.json`` / ``run_card.md``); a progress bar in optimizer steps and a
+model summary with model FLOPs in place of Lightning's.
 
 Imported on first use, so ``lightning-moe report`` does not load Lightning.
 """
@@ -10,8 +11,10 @@ from lightning_moe.lazy import lazy_exports
 
 _PUBLIC = {
     "HealthCheck": "lightning_moe.callbacks.health",
+    "ModelSummary": "lightning_moe.callbacks.summary",
     "PeakMemory": "lightning_moe.callbacks.memory",
     "RunCard": "lightning_moe.callbacks.run_card",
+    "StepProgressBar": "lightning_moe.callbacks.progress",
     "Throughput": "lightning_moe.callbacks.throughput",
 }
 

@@ -39,6 +39,14 @@ def _model(model: dict[str, Any]) -> str:
     return text
 
 
+def _peak_memory(card: dict[str, Any]) -> tuple[str, str]:
+    if card.get("peak_allocated_gib") is None and card.get("peak_rss_gib") is not None:
+        # no device allocator (CPU): the process's resident set is the memory the run held
+        return "Peak memory (process RSS)", _number(card["peak_rss_gib"], ".2f", " GiB")
+    return ("Peak memory allocated / reserved", f"{_number(card.get('peak_allocated_gib'), '.2f')} / "
+                                                f"{_number(card.get('peak_reserved_gib'), '.2f')} GiB")
+
+
 def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
     parallel = card.get("parallel_sizes")
     versions = ", ".join(f"{k} {v}" for k, v in card["versions"].items() if v)
@@ -61,11 +69,11 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         ("Tokens/s/GPU", _number(card.get("tokens_per_s_per_gpu"), ",.0f")),
         ("Label tokens/s/GPU", _number(card.get("label_tokens_per_s_per_gpu"), ",.0f")),
         ("Model TFLOP/s/GPU", _number(card.get("tflops_per_gpu"), ".4g")),
-        ("MFU", "n/a (device peak unknown)" if mfu is None else f"{100 * mfu:.1f} % of {card['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s"),
+        ("MFU", "n/a (device peak unknown)" if mfu is None else f"{100 * mfu:.1f} % of {card['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s"
+                + (f" ({card['peak_flops_source']})" if card.get("peak_flops_source") else "")),
         ("Device", card.get("device") or "n/a"),
         ("FLOPs counted by", card.get("flops_method") or "n/a"),
-        ("Peak memory allocated / reserved", f"{_number(card.get('peak_allocated_gib'), '.2f')} / "
-                                              f"{_number(card.get('peak_reserved_gib'), '.2f')} GiB"),
+        _peak_memory(card),
         ("Peak process RSS", _number(card.get("peak_rss_gib"), ".2f", " GiB")),
         ("Skipped / NaN steps", f"{_number(card.get('skipped_steps'))} / {_number(card.get('nan_steps'))}"),
         ("Checkpoints", "<br>".join(f"`{p}`" for p in card["checkpoints"]) or "none"),

@@ -4,11 +4,23 @@ Datasheet figures without structured sparsity. ``fp8`` is twice ``bf16`` on Hopp
 (block-scaled FP8) exists on Blackwell only, ``tf32`` (fp32 matmuls with TF32 enabled) is half of ``bf16``.
 Keys are fragments of ``torch.cuda.get_device_name()``; the longest matching fragment wins, so
 ``"H100 PCIe"`` beats ``"H100"`` and ``"GB200"`` beats ``"B200"``.
+
+On CPU the peak is measured: the best rate of a large square matmul in the training dtype, once per machine
+(processor, threads, torch build), cached in the user's cache folder.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
 import torch
+
+from lightning_moe.checkpoint.atomic import atomic_write_text
 
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "GB200": {"bf16": 2.5e15, "fp8": 5.0e15, "mxfp8": 5.0e15, "tf32": 1.25e15},
@@ -41,3 +53,55 @@ def lookup_peak_flops(device_name: str, precision: str, overrides: dict[str, flo
         if fragment.lower() in device_name.lower():
             return PEAK_FLOPS[fragment].get(precision)
     return None
+
+
+CPU_PEAK_CACHE = "cpu_peak_flops.json"
+CPU_PEAK_SIZE = 2048  # a square matmul large enough to reach the BLAS kernel's steady rate
+
+
+def cpu_peak_cache_path() -> Path:
+    root = os.environ.get("LIGHTNING_MOE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning_moe")
+    return Path(root) / CPU_PEAK_CACHE
+
+
+def cpu_identity(dtype: torch.dtype) -> str:
+    """What a measured CPU peak depends on: processor, threads, vector capability, torch build and dtype."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return (f"{model} | threads {torch.get_num_threads()} | {torch.backends.cpu.get_cpu_capability()} | "
+            f"torch {torch.__version__} | {str(dtype).removeprefix('torch.')}")
+
+
+def measure_cpu_peak_flops(dtype: torch.dtype, size: int = CPU_PEAK_SIZE, repeats: int = 3) -> float:
+    """The best of ``repeats`` timed ``size``^3 matmuls in ``dtype`` on this process's threads, in FLOP/s."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm the kernel and the pages
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
+    """This machine's measured matmul peak in ``dtype``, measured once and cached per :func:`cpu_identity`
+    (the cache file, a JSON of ``{identity: FLOP/s}``, may be edited to pin a figure). Returns the figure and
+    where it came from."""
+    path, key = cpu_peak_cache_path(), cpu_identity(dtype)
+    try:
+        cached = json.loads(path.read_text())
+    except FileNotFoundError:
+        cached = {}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable CPU peak cache ({error}); delete it to measure again") from error
+    if key not in cached:
+        cached[key] = measure_cpu_peak_flops(dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
+    return float(cached[key]), f"measured {CPU_PEAK_SIZE}^3 matmul on this CPU (cached in {path})"

@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_moe.callbacks.peak_flops import lookup_peak_flops, matmul_precision
+from lightning_moe.callbacks.peak_flops import cpu_peak_flops, lookup_peak_flops, matmul_precision
 from lightning_moe.callbacks.step_end import (
     StepEndCallback,
     StepSeries,
@@ -36,7 +36,7 @@ from lightning_moe.callbacks.step_end import (
     sum_over_ranks,
 )
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.flops import batch_flops
+from lightning_moe.models.flops import batch_flops, parameter_flops_per_token
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 
 RATE_NAMES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "label_tokens_per_s_per_gpu",
@@ -82,7 +82,9 @@ class Throughput(StepEndCallback):
         window: steps averaged in the logged values and the run card (the last N).
         warmup_steps: first steps of the run left out of the averages (benchmarks: compile, allocator warmup).
         peak_flops: the device's peak FLOP/s (a number), or ``{device-name fragment: FLOP/s}`` entries that
-            take precedence over the built-in table. Without it MFU is None on devices the table lacks (CPU).
+            take precedence over the built-in table. Without it, a CPU's peak is measured once per machine
+            (:func:`~lightning_moe.callbacks.peak_flops.cpu_peak_flops`) and MFU is None on other devices
+            the table lacks.
         peak_precision: the table column, ``bf16`` | ``fp8`` | ``mxfp8`` | ``tf32``; default from the
             trainer's precision (FP8 training converts the model, so say ``fp8`` / ``mxfp8`` here).
     """
@@ -107,6 +109,7 @@ class Throughput(StepEndCallback):
         self.device_name = None
         self.precision = peak_precision
         self.peak_flops = float(peak_flops) if isinstance(peak_flops, (int, float)) else None
+        self.peak_flops_source = "set in the recipe" if self.peak_flops is not None else None
         self._steps_run = 0
         self._step_start: float | None = None
         self._validation_start: float | None = None
@@ -121,8 +124,7 @@ class Throughput(StepEndCallback):
         params = list(pl_module.parameters())
         total = sum(p.numel() for p in params)
         self.trainable_fraction = sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
-        # forward 2N, input gradients 2N, weight gradients 2N x trainable fraction
-        self.flops_per_param_token = 2.0 * total * (2.0 + self.trainable_fraction)
+        self.flops_per_param_token = parameter_flops_per_token(total, self.trainable_fraction)
         self.flops_method = (
             "lightning_moe.models.flops (model config, real packed lengths)" if self.config is not None
             else "6 x parameters per token (the model has no ModelConfig)"
@@ -132,8 +134,13 @@ class Throughput(StepEndCallback):
         device = pl_module.device
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.precision = self.peak_precision or matmul_precision(str(trainer.precision))
+        self.peak_flops_source = "set in the recipe"
         if not isinstance(self.peak_flops_setting, (int, float)):
             self.peak_flops = lookup_peak_flops(self.device_name, self.precision, self.peak_flops_setting)
+            self.peak_flops_source = "datasheet table" if self.peak_flops is not None else None
+            if self.peak_flops is None and device.type == "cpu":
+                dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+                self.peak_flops, self.peak_flops_source = cpu_peak_flops(dtype)
         self._steps_run = 0
         self._step_start = None
         self._reset_step()
@@ -222,6 +229,7 @@ class Throughput(StepEndCallback):
             "warmup_steps": self.warmup_steps,
             "device": self.device_name,
             "peak_flops_per_gpu": self.peak_flops,
+            "peak_flops_source": self.peak_flops_source,
             "peak_precision": self.precision,
             "flops_method": self.flops_method,
             "trainable_fraction": self.trainable_fraction,

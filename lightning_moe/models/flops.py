@@ -242,3 +242,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, trainable_frac
     """
     seqs = Sequences.of_length(seq_len or 1)
     return forward_flops(cfg, seqs).training(trainable_fraction) / seqs.tokens
+
+
+def parameter_flops_per_token(parameters: int, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs per token of a model known only by its parameter count: forward 2N, input gradients 2N,
+    weight gradients 2N x the trainable fraction (6N with every weight trained)."""
+    return 2.0 * parameters * (2.0 + trainable_fraction)

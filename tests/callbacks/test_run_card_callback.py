@@ -64,7 +64,10 @@ def test_run_card_fields_and_files(tmp_path, capsys):
     assert step_losses == pytest.approx([losses.step_mean(step, 2) for step in (1, 2, 3, 4)], rel=1e-5)
     assert card["initial_loss"] == step_losses[0] and card["final_loss"] == step_losses[-1]
     assert all(t > 0 for t in card["series"]["step_time_s"])
-    assert card["tokens_per_s_per_gpu"] > 0 and card["tflops_per_gpu"] > 0 and card["mfu"] is None
+    assert card["tokens_per_s_per_gpu"] > 0 and card["tflops_per_gpu"] > 0
+    # CPU: MFU against this machine's measured matmul peak
+    assert card["mfu"] == pytest.approx(card["tflops_per_gpu"] * 1e12 / card["peak_flops_per_gpu"])
+    assert card["peak_flops_source"].startswith("measured")
     assert card["peak_rss_gib"] > 0 and card["skipped_steps"] == 0 and card["nan_steps"] == 0
 
     on_disk = sorted(str(p) for p in (tmp_path / "ckpt").iterdir())

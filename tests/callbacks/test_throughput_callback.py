@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from tiny_lm import MICRO_BATCH, SEQ, PackedRows, TinyLM, loader, make_trainer, tiny_config
 
 from lightning_moe.callbacks import Throughput
-from lightning_moe.callbacks.peak_flops import PEAK_FLOPS, lookup_peak_flops
+from lightning_moe.callbacks.peak_flops import PEAK_FLOPS, cpu_peak_flops, lookup_peak_flops
 from lightning_moe.models.flops import batch_flops
 
 
@@ -94,7 +95,7 @@ def test_throughput_counts_steps_tokens_and_flops(tmp_path):
     assert float(rows[-1]["perf/step_time_s"]) == pytest.approx(mean_time)
 
 
-def test_throughput_excludes_validation_and_has_no_mfu_on_cpu(tmp_path):
+def test_throughput_excludes_validation_and_measures_the_cpu_peak(tmp_path):
     throughput, clock = Throughput(window=10), WallClock()
     trainer = make_trainer(tmp_path, [throughput, clock], max_steps=4, val_check_interval=2,
                            limit_val_batches=2, check_val_every_n_epoch=None)
@@ -104,7 +105,9 @@ def test_throughput_excludes_validation_and_has_no_mfu_on_cpu(tmp_path):
     total = sum(s.step_time_s for s in throughput.history.values())
     assert total == pytest.approx(clock.end - clock.start - clock.validating(), rel=0.05)
     summary = throughput.summary()
-    assert summary["device"] == "cpu" and summary["mfu"] is None and summary["peak_flops_per_gpu"] is None
+    assert summary["device"] == "cpu" and summary["peak_flops_source"].startswith("measured")
+    assert summary["peak_flops_per_gpu"] == cpu_peak_flops(torch.float32)[0]
+    assert summary["mfu"] == pytest.approx(summary["tflops_per_gpu"] * 1e12 / summary["peak_flops_per_gpu"])
 
 
 def test_models_without_a_model_config_count_six_flops_per_parameter_and_token(tmp_path):
