@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_moe.checkpoint.source import open_checkpoint
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.seeded_init import copy_full_
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -40,9 +41,6 @@ def assign_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]
 def copy_tensors_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy full checkpoint tensors into a materialized model whose parameters may be DTensor shards:
     each rank keeps only its own slice. Returns the number of tensors copied."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     state = model.state_dict(keep_vars=True)
     # adapters (peft LoRA) keep a wrapped layer's own weights under ``base_layer``; checkpoints use plain names
     state.update({name.replace(".base_layer.", "."): t for name, t in state.items() if ".base_layer." in name})
@@ -53,14 +51,7 @@ def copy_tensors_into(model: nn.Module, tensors: Iterable[tuple[str, torch.Tenso
         target = state[name]
         if tuple(full.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
-        if isinstance(target, DTensor):
-            local_shape, offset = compute_local_shape_and_global_offset(
-                full.shape, target.device_mesh, target.placements
-            )
-            piece = full[tuple(slice(o, o + s) for o, s in zip(offset, local_shape))]
-            target.to_local().copy_(piece)
-        else:
-            target.copy_(full)
+        copy_full_(target, full)
         count += 1
     return count
 

@@ -107,18 +107,25 @@ class Decoder(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialize every parameter (after meta-device construction and ``to_empty``)."""
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialize every parameter (after meta-device construction and ``to_empty``). Each module draws from
+        a generator seeded by ``(seed, its name)`` on whole tensors, so that any parallel layout, pipeline stages
+        included, starts from the same weights (``seed`` defaults to a draw from the torch generator)."""
+        from lightning_moe.models.seeded_init import seeded_init
+
         std = self.config.init_std
-        nn.init.normal_(self.embed.weight, std=std)
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, std=std)
-        for module in self.modules():
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        for name, module in self.named_modules():
             if module is self:
                 continue
-            # plain torch layers are initialized by the block that owns them, with the config's std
-            if hasattr(module, "reset_parameters") and not isinstance(module, (nn.Embedding, nn.Linear)):
-                module.reset_parameters(std)
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                # plain torch layers outside blocks (embedding, output layer) get the config's std; those inside
+                # are initialized by the block that owns them
+                if name.removesuffix(".base_layer") in ("embed", "lm_head"):
+                    seeded_init(module, name, seed, lambda m: nn.init.normal_(m.weight, std=std))
+            elif hasattr(module, "reset_parameters"):
+                seeded_init(module, name, seed, lambda m: m.reset_parameters(std))
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -50,7 +50,7 @@ def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, paralleliz
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.init_weights()
+        model.init_weights(seed)
         if peft is not None:
             from lightning_moe.peft import reset_lora_parameters
 
