@@ -4,6 +4,8 @@ A model is a *layer pattern* over a small set of blocks (see DESIGN "One decoder
 
     ``*`` attention (GQA, or MLA when ``attention.type == "mla"``)
     ``M`` Mamba-2 mixer
+    ``G`` Gated DeltaNet (gated delta rule, one decay per head: Qwen3-Next, Qwen3.5)
+    ``K`` Kimi Delta Attention (gated delta rule, one decay per key channel: Kimi-Linear)
     ``-`` dense MLP
     ``E`` mixture of experts
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-BLOCK_SYMBOLS = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
+BLOCK_SYMBOLS = {"*": "attention", "M": "mamba", "G": "gated_deltanet", "K": "kda", "-": "mlp", "E": "moe"}
 
 
 @dataclass
@@ -60,6 +62,8 @@ class AttentionConfig:
     qk_norm: bool = False
     # learned per-head sink logits that take part in the softmax (GPT-OSS)
     sinks: bool = False
+    # sigmoid gate on each head's output from a second half of q_proj, per head [query | gate] (Qwen3-Next)
+    output_gate: bool = False
     sliding_window: int | None = None
     # per attention block (in pattern order): True = use ``sliding_window``; None = every block uses it
     sliding_window_layers: list[bool] | None = None
@@ -104,6 +108,8 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     expert_bias: bool = False  # biases inside the expert linears (GPT-OSS)
     num_shared_experts: int = 0
+    # shared experts' output scaled by sigmoid(a learned linear of the token) (Qwen3-Next, Qwen2-MoE)
+    shared_expert_gate: bool = False
     shared_intermediate_size: int | None = None  # default: intermediate_size * num_shared_experts
     router_bias: bool = False  # bias of the router linear (GPT-OSS)
     score_func: Literal["softmax", "sigmoid"] = "softmax"
@@ -160,6 +166,34 @@ class MambaConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet (``G``) and Kimi Delta Attention (``K``): short conv, L2-normed queries and keys, the gated
+    delta rule (chunked), gated RMSNorm. GDN: each of ``num_k_heads`` query/key heads serves
+    ``num_v_heads / num_k_heads`` value heads; KDA: as many key as value heads, of one size."""
+
+    num_k_heads: int = 4
+    num_v_heads: int = 8
+    head_k_dim: int = 64
+    head_v_dim: int = 64
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    norm_eps: float = 1e-6
+    # torch: the chunked algorithm of ``layers/delta_rule.py``; fla: flash-linear-attention's GPU kernels
+    backend: Literal["torch", "fla"] = "torch"
+
+    def validate(self, symbols: str) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"ModelConfig.linear_attention: num_v_heads={self.num_v_heads} is not a multiple of "
+                             f"num_k_heads={self.num_k_heads}")
+        if "K" in symbols and (self.num_k_heads != self.num_v_heads or self.head_k_dim != self.head_v_dim):
+            raise ValueError("ModelConfig.linear_attention: KDA ('K') needs num_k_heads == num_v_heads and "
+                             f"head_k_dim == head_v_dim, got {self.num_k_heads}/{self.num_v_heads} heads, "
+                             f"{self.head_k_dim}/{self.head_v_dim} dims")
+        if "K" in symbols and self.chunk_size % 16:
+            raise ValueError(f"ModelConfig.linear_attention.chunk_size={self.chunk_size}: KDA needs a multiple of 16")
+
+
+@dataclass
 class MTPConfig:
     """Multi-token prediction: ``num_layers`` depths, each a small stack described by ``pattern``."""
 
@@ -184,8 +218,11 @@ class ModelConfig:
     mlp: MLPConfig | None = field(default_factory=MLPConfig)
     moe: MoEConfig | None = None
     mamba: MambaConfig | None = None
+    linear_attention: LinearAttentionConfig | None = None
     mtp: MTPConfig | None = None
     norm_eps: float = 1e-6
+    # RMSNorms scale by ``1 + weight`` (zero-initialized weights, in fp32: Qwen3-Next, Qwen3.5)
+    norm_offset: bool = False
     # RMSNorm multiplies by its weight in fp32 before casting back (GPT-OSS, Nemotron-H); matters below fp32
     norm_weight_fp32: bool = False
     tie_embeddings: bool = False
@@ -208,7 +245,8 @@ class ModelConfig:
                     f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
                 )
         used = "".join(patterns.values())
-        needs = {"-": ("mlp", self.mlp), "E": ("moe", self.moe), "M": ("mamba", self.mamba)}
+        needs = {"-": ("mlp", self.mlp), "E": ("moe", self.moe), "M": ("mamba", self.mamba),
+                 "G": ("linear_attention", self.linear_attention), "K": ("linear_attention", self.linear_attention)}
         for symbol, (key, sub) in needs.items():
             if symbol in used and sub is None:
                 where = "pattern" if symbol in self.pattern else "mtp.pattern"
@@ -225,6 +263,8 @@ class ModelConfig:
             )
         if "E" in used:
             self.moe.validate()
+        if "G" in used or "K" in used:
+            self.linear_attention.validate(used)
         if "M" in used and self.mamba.num_heads % self.mamba.n_groups:
             raise ValueError(
                 f"ModelConfig.mamba: num_heads={self.mamba.num_heads} is not a multiple of n_groups={self.mamba.n_groups}"
@@ -256,6 +296,7 @@ _SUBCONFIGS = {
     "mlp": MLPConfig,
     "moe": MoEConfig,
     "mamba": MambaConfig,
+    "linear_attention": LinearAttentionConfig,
     "mtp": MTPConfig,
 }
 

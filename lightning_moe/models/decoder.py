@@ -41,11 +41,22 @@ def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Modul
             cls = MLA
         else:
             cls = Attention
-        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps, att.window_for(attention_index))
+        # the qk-norms follow the decoder's norms (1 + weight under norm_offset)
+        extra = {"norm_offset": True} if cfg.norm_offset and cls is Attention else {}
+        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps, att.window_for(attention_index),
+                   **extra)
     if symbol == "M":
         from lightning_moe.models.layers.mamba2 import Mamba2Mixer
 
         return Mamba2Mixer(cfg.mamba, cfg.hidden_size)
+    if symbol == "G":
+        from lightning_moe.models.layers.gated_deltanet import GatedDeltaNet
+
+        return GatedDeltaNet(cfg.linear_attention, cfg.hidden_size)
+    if symbol == "K":
+        from lightning_moe.models.layers.kda import KimiDeltaAttention
+
+        return KimiDeltaAttention(cfg.linear_attention, cfg.hidden_size)
     if symbol == "-":
         return MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.mlp.bias)
     if symbol == "E":
@@ -53,19 +64,21 @@ def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Modul
     raise ValueError(f"unknown block symbol {symbol!r}")
 
 
-BLOCK_ATTRIBUTE = {"*": "attn", "M": "mamba", "-": "mlp", "E": "moe"}
+BLOCK_ATTRIBUTE = {"*": "attn", "M": "mamba", "G": "gdn", "K": "kda", "-": "mlp", "E": "moe"}
+SEQUENCE_MIXERS = "*MGK"
 
 
 class Block(nn.Module):
-    """``x + op(norm(x))`` where op is attention, Mamba-2, MLP or MoE. The op's attribute name says which."""
+    """``x + op(norm(x))`` where op is attention, Mamba-2, Gated DeltaNet, KDA, MLP or MoE. The op's attribute
+    name says which."""
 
     def __init__(self, symbol: str, cfg: ModelConfig, attention_index: int = 0) -> None:
         super().__init__()
         self.symbol = symbol
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_weight_fp32)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_weight_fp32, cfg.norm_offset)
         self.op_name = BLOCK_ATTRIBUTE[symbol]
         self.add_module(self.op_name, build_mixer(symbol, cfg, attention_index))
-        self.mixes_sequence = symbol in "*M"
+        self.mixes_sequence = symbol in SEQUENCE_MIXERS
 
     @property
     def op(self) -> nn.Module:
@@ -93,7 +106,7 @@ class Decoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = build_blocks(config.pattern, config)
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_fp32)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, config.norm_weight_fp32, config.norm_offset)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.output_layer = OutputLayer()
         self.mtp = None

@@ -89,19 +89,21 @@ class Attention(nn.Module):
     """Multi-head attention with grouped key/value heads, optional qk-norm, biases, sinks and sliding window."""
 
     def __init__(self, cfg: AttentionConfig, hidden_size: int, max_position_embeddings: int,
-                 norm_eps: float, window: int | None = None) -> None:
+                 norm_eps: float, window: int | None = None, norm_offset: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window
         self.scale = cfg.softmax_scale or self.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        # output_gate: each head's rows of q_proj are [query | gate]
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_width, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=cfg.out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, norm_eps, offset=norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, norm_eps, offset=norm_offset)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.sinks else None
         self.rotary = (
             RotaryEmbedding(cfg.rope, cfg.head_dim, max_position_embeddings) if cfg.rope.type != "none" else None
@@ -119,6 +121,9 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         # heads may be sharded by tensor parallelism: infer them from the local projection width
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        gate = None
+        if self.cfg.output_gate:
+            q, gate = q.unflatten(2, (-1, 2)).unbind(3)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.cfg.qk_norm:
@@ -130,5 +135,7 @@ class Attention(nn.Module):
         out = attend(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout,
             backend=self.cfg.backend, scale=self.scale, window=self.window, sinks=self.sinks,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        ).transpose(1, 2)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(batch, seq, -1))

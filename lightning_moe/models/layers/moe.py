@@ -222,6 +222,7 @@ class MoE(nn.Module):
             if cfg.num_shared_experts
             else None
         )
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher = TokenDispatcher()
         # tokens routed to each expert since the last bias update (aux-loss-free balancing)
         # integer counts: a module-wide cast to bf16 (precision="bf16-true") would round them above 256
@@ -233,6 +234,8 @@ class MoE(nn.Module):
         self.experts.reset_parameters(init_std)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(init_std)
+        if self.shared_expert_gate is not None:
+            nn.init.normal_(self.shared_expert_gate.weight, std=init_std)
         if self.cfg.latent_size:
             for linear in (self.fc1_latent_proj, self.fc2_latent_proj):
                 nn.init.normal_(linear.weight, std=init_std)
@@ -258,7 +261,10 @@ class MoE(nn.Module):
             routed = self.fc2_latent_proj(routed)
         out = routed.view(shape)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
 

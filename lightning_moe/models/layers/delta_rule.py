@@ -1,0 +1,177 @@
+"""The gated delta rule (Gated DeltaNet, Kimi Delta Attention) in plain PyTorch: chunked, packed-row aware.
+
+Per head the state ``S`` [key_dim, value_dim] evolves token by token as
+
+    S_t = diag(exp(g_t)) S_{t-1}                      (forget: g_t one log-decay per head, or per key channel)
+    S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T         (delta rule: write only what S_t does not yet predict)
+    o_t = S_t^T q_t
+
+The chunked (WY / UT-transform) form of the DeltaNet papers computes a chunk of ``C`` tokens at once: the
+updates inside a chunk are a unit lower-triangular system ``(I + A) U = [beta v | beta k exp(G)]`` with
+``A_ij = beta_i (k_i . k_j) exp(G_i - G_j)`` (``G`` the cumulative log-decay in the chunk), solved once per
+chunk, after which the state passes from chunk to chunk with three matmuls. Every exponent is a decay between
+two positions of the chunk in causal order, so nothing overflows; per-channel decays (KDA) factor each product
+through the start of a sub-chunk of ``SUB_CHUNK`` tokens, and only the pairs inside one sub-chunk are formed
+channel by channel.
+
+Packed rows (``seq_idx``): pairs of positions in different sequences are masked inside a chunk, and the state
+a chunk receives is read only by tokens of the sequence it belongs to, so each sequence starts from zero.
+
+``fla`` (flash-linear-attention) kernels run the same computation on GPUs (``backend="fla"``); they are an
+optional dependency, imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUB_CHUNK = 16
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, fla's (and transformers') normalization of queries and keys."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    seq_idx: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Output of the gated delta rule from a zero state, in fp32 (fp64 inputs: fp64) [batch, seq, heads, value_dim].
+
+    ``q``/``k`` [batch, seq, heads, key_dim] (normalized as the model wants), ``v`` [batch, seq, heads, value_dim],
+    ``g`` the log-decay per step (<= 0): [batch, seq, heads] (Gated DeltaNet) or [batch, seq, heads, key_dim]
+    (KDA), ``beta`` [batch, seq, heads], ``seq_idx`` [batch, seq] the sequence each token belongs to (None: one
+    per row), ``scale`` of the queries (default ``key_dim ** -0.5``).
+    """
+    # fp32 also under autocast (bf16-mixed), which would run the decays' matmuls in bf16
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale)
+
+
+def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """``P_ij = sum_d a_i[d] b_j[d] exp(G_i[d] - G_j[d])`` for ``causal`` pairs (else 0) of each chunk.
+
+    ``a``/``b`` [..., C, d]; ``G`` [..., C] (one decay per head) or [..., C, d] (per channel), non-increasing."""
+    if G.dim() == a.dim() - 1:
+        segment = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf"))
+        return (a @ b.transpose(-1, -2)) * torch.exp(segment)
+    C, d = a.shape[-2:]
+    sub = min(SUB_CHUNK, C)
+    n = C // sub
+    lead = a.shape[:-2]
+    a_s, G_s = a.unflatten(-2, (n, sub)), G.unflatten(-2, (n, sub))  # [..., n, sub, d]
+    ref = G_s[..., :1, :]  # the decay at each sub-chunk's first token
+    # pairs across sub-chunks: through the start of i's sub-chunk, both factors decay (<= 1)
+    a_ref = a_s * torch.exp(G_s - ref)
+    to_ref = ref - G[..., None, :, :]  # [..., n (i's sub-chunk), C (j), d]
+    before = torch.arange(C, device=a.device)[None, :] < torch.arange(0, C, sub, device=a.device)[:, None]  # [n, C]
+    b_ref = b[..., None, :, :] * torch.exp(to_ref.masked_fill(~before[..., None], float("-inf")))
+    across = (a_ref @ b_ref.transpose(-1, -2)).reshape(*lead, C, C)  # [..., n, sub, C] -> [..., C, C]
+    # pairs inside one sub-chunk: channel by channel
+    inside = (G_s[..., :, None, :] - G_s[..., None, :, :]).masked_fill(~torch.ones(
+        sub, sub, dtype=torch.bool, device=a.device).tril()[..., None], float("-inf"))
+    b_s = b.unflatten(-2, (n, sub))
+    within = (a_s[..., :, None, :] * b_s[..., None, :, :] * torch.exp(inside)).sum(-1)  # [..., n, sub, sub]
+    block = torch.block_diag(*[torch.ones(sub, sub, dtype=torch.bool, device=a.device)] * n)
+    full = across.masked_scatter(block.expand_as(across), within.contiguous())
+    return full.masked_fill(~causal, 0.0)
+
+
+def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
+    batch, seq_len, heads, dk = k.shape
+    per_channel = g.dim() == 4
+    scale = dk**-0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    q = q * scale
+    C = chunk_size
+    if per_channel and C % min(SUB_CHUNK, C):
+        raise ValueError(f"chunk_size={C} must be a multiple of {SUB_CHUNK} for per-channel decays")
+    pad = (-seq_len) % C
+    if pad:
+        # zero steps: no decay (g = 0) and no write (beta = 0), so padding changes nothing before it
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g = F.pad(g, (0, 0, 0, 0, 0, pad) if per_channel else (0, 0, 0, pad))
+        beta = F.pad(beta, (0, 0, 0, pad))
+        if seq_idx is not None:
+            seq_idx = F.pad(seq_idx, (0, pad), mode="replicate")
+    chunks = (seq_len + pad) // C
+
+    # [batch, heads, chunks, C, ...]
+    def chunked(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(batch, chunks, C, heads, *t.shape[3:])
+        return t.permute(0, 3, 1, 2, *range(4, t.dim()))
+
+    q, k, v, beta = chunked(q), chunked(k), chunked(v), chunked(beta)
+    G = torch.cumsum(chunked(g), dim=3)  # log-decay from the chunk start, [b, h, n, C] or [b, h, n, C, dk]
+    G_end = G[:, :, :, -1]  # [b, h, n] or [b, h, n, dk]
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    carry = end = last_doc = None  # per position: reads the state entering the chunk; written into the leaving one
+    if seq_idx is not None:
+        docs = seq_idx.reshape(batch, chunks, C)
+        causal = causal & (docs[..., :, None] == docs[..., None, :])[:, None]  # [b, 1, n, C, C]
+        last_doc = docs[..., -1]
+        carry_doc = F.pad(last_doc[:, :-1], (1, 0), value=-1)  # sequence of the state entering each chunk
+        carry = (docs == carry_doc[..., None])[:, None]  # [b, 1, n, C]
+        end = (docs == last_doc[..., None])[:, None]
+    strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)
+
+    def channel_decay(t: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+        return t * torch.exp(exponent if per_channel else exponent[..., None])
+
+    k_beta = k * beta[..., None]
+    A = _decayed_products(k_beta, k, G, strict)
+    qk = _decayed_products(q, k, G, causal)
+    k_start = channel_decay(k_beta, G)  # keys decayed back to the chunk start: they read the entering state
+    q_start = channel_decay(q, G)
+    if carry is not None:
+        k_start, q_start = k_start * carry[..., None], q_start * carry[..., None]
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    solved = torch.linalg.solve_triangular(
+        A + eye, torch.cat([v * beta[..., None], k_start], dim=-1), upper=False, unitriangular=True
+    )
+    U, W = solved.split([v.shape[-1], dk], dim=-1)
+    k_end = channel_decay(k, G_end[:, :, :, None] - G)  # keys decayed forward to the chunk end
+    if end is not None:
+        k_end = k_end * end[..., None]
+    state_decay = torch.exp(G_end if per_channel else G_end[..., None].expand(*G_end.shape, dk))[..., None]
+    if last_doc is not None:
+        # the state survives the chunk only if the whole chunk continues its sequence
+        state_decay = state_decay * (last_doc == carry_doc)[:, None, :, None, None]
+
+    state = q.new_zeros(batch, heads, dk, v.shape[-1])
+    outs = []
+    for c in range(chunks):
+        v_new = U[:, :, c] - W[:, :, c] @ state
+        outs.append(q_start[:, :, c] @ state + qk[:, :, c] @ v_new)
+        state = state_decay[:, :, c] * state + k_end[:, :, c].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, dim=2)  # [b, h, n, C, dv]
+    return out.permute(0, 2, 3, 1, 4).reshape(batch, chunks * C, heads, -1)[:, :seq_len]
+
+
+def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None, scale: float | None = None):
+    """The same computation with fla's GPU kernels (optional dependency). ``cu_seqlens`` over the flattened batch."""
+    try:
+        if g.dim() == 4:
+            from fla.ops.kda import chunk_kda as kernel
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except ImportError as err:
+        raise ImportError(
+            "linear_attention.backend='fla' needs flash-linear-attention (pip install flash-linear-attention); "
+            "use backend='torch' without it"
+        ) from err
+    batch = q.shape[0]
+    if cu_seqlens is not None:
+        q, k, v, g, beta = (t.flatten(0, 1)[None] for t in (q, k, v, g, beta))
+    out, _ = kernel(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens)
+    return out.reshape(batch, -1, *out.shape[2:])
