@@ -118,6 +118,7 @@ class CausalLM(L.LightningModule):
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
+        self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
         self.step_stats: StepStats | None = None
         self._source = None
         self._step_sums: dict[str, torch.Tensor] = {}
@@ -156,6 +157,15 @@ class CausalLM(L.LightningModule):
         self._route_hf()
         if isinstance(self.model_config, HFModelConfig):
             self.model = self._build_hf(strategy)
+            return
+        if getattr(strategy, "pipeline_parallel", False):
+            from lightning_moe.modules.pipeline_step import build_pipelined_decoder
+
+            config = self.resolved_config()
+            self.model, self._pipeline = build_pipelined_decoder(
+                config, strategy=strategy, seed=self.seed, source=self._checkpoint(), fp8=self.fp8, peft=self.peft,
+                freeze=self.freeze, mtp_scale=self._mtp_scale(config),
+            )
             return
         self.model = build_decoder(
             self.resolved_config(), seed=self.seed, source=self._checkpoint(),
@@ -204,10 +214,10 @@ class CausalLM(L.LightningModule):
         out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
         return out, batch["input_ids"].numel()
 
-    def _mtp_scale(self) -> float:
+    def _mtp_scale(self, config: ModelConfig | None = None) -> float:
         if self.mtp_loss_scale is not None:
             return self.mtp_loss_scale
-        mtp = self.model.config.mtp
+        mtp = (config or self.model.config).mtp
         return mtp.loss_scale if mtp is not None else 0.0
 
     @staticmethod
@@ -215,7 +225,11 @@ class CausalLM(L.LightningModule):
         value = value.detach().double()
         sums[name] = sums[name] + value if name in sums else value
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        if self._pipeline is not None:
+            from lightning_moe.modules.pipeline_step import pipelined_training_step
+
+            return pipelined_training_step(self, batch)
         out, tokens = self._loss_output(batch)
         sums = self._step_sums
         self._accumulate(sums, "loss_sum", out.loss_sum)
@@ -241,8 +255,10 @@ class CausalLM(L.LightningModule):
         step = dict(zip(names, totals.tolist()))
         self._step_sums = {}
         label_tokens = step["label_tokens"]
-        # undo the mean over reducing ranks and Lightning's 1/accumulate, divide by the global label count
-        factor = self._reduction_size() * self.trainer.accumulate_grad_batches / max(label_tokens, 1.0)
+        # undo the mean over reducing ranks and Lightning's 1/accumulate (a pipeline schedule backpropagates
+        # the sums themselves), divide by the global label count
+        accumulated = 1 if self._pipeline is not None else self.trainer.accumulate_grad_batches
+        factor = self._reduction_size() * accumulated / max(label_tokens, 1.0)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # one fused call per kind: a transformers model under tensor parallelism mixes DTensor and plain gradients
         for kind in {type(g) for g in grads}:
@@ -288,8 +304,9 @@ class CausalLM(L.LightningModule):
                     moe.tokens_per_expert.zero_()
             return
         # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
-        # all ranks: tensor-parallel ranks route different sequence shards, and the update only uses the sign
-        update_expert_bias(self.model)
+        # all ranks that hold the same layers: tensor-parallel ranks route different sequence shards, and the
+        # update only uses the sign
+        update_expert_bias(self.model, getattr(self.trainer.strategy, "stage_group", None))
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
             from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
 
@@ -297,6 +314,12 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
+        if self._pipeline is not None:
+            from lightning_moe.modules.pipeline_step import pipelined_eval_step
+
+            for name, value in pipelined_eval_step(self, batch).items():
+                self._accumulate(self._eval_sums, name, value)
+            return
         out, _ = self._loss_output(batch)
         self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
         self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)

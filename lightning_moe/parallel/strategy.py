@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_moe.parallel.activation_checkpoint import check_mode
 from lightning_moe.parallel.compile import check_compile
-from lightning_moe.parallel.dims import ParallelDims, check_sizes
+from lightning_moe.parallel.dims import ParallelDims, check_pp, check_sizes
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -66,6 +66,12 @@ class ParallelStrategy(ModelParallelStrategy):
         cpu_offload: keep sharded parameters, gradients and optimizer states in CPU memory.
         reshard_after_forward: free unsharded block parameters after forward (re-gather in backward).
         save_distributed_checkpoint: DCP directories (True) or one consolidated file (False).
+        pp: pipeline-parallel ranks (outermost mesh dimension; each holds different blocks).
+        vp: virtual pipeline stages per pipeline rank (interleaving).
+        pp_schedule: a ``torch.distributed.pipelining`` schedule: ``1f1b`` (default), ``interleaved_1f1b``
+            (default with ``vp > 1``), ``gpipe``, ``looped_bfs``, ``interleaved_zb``, ``zbv``, ``dualpipev``.
+        pp_layout: which blocks each virtual stage holds (``"Et*3|t*4|t*4|t*3mL"``, see
+            ``parallel.pipeline.parse_layout``); default: balanced by FLOPs and parameters.
     """
 
     def __init__(
@@ -86,14 +92,24 @@ class ParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        pp: int = 1,
+        vp: int = 1,
+        pp_schedule: str | None = None,
+        pp_layout: str | list[str] | None = None,
     ) -> None:
         check_sizes(dp_replicate, dp_shard, cp, tp, ep)
+        check_pp(pp)
+        from lightning_moe.parallel.pipeline import check_schedule, default_schedule
+
+        pp_schedule = pp_schedule or default_schedule(vp)
+        check_schedule(pp_schedule, pp, vp)
         check_mode(activation_checkpointing, activation_checkpointing_every)
         if compile:
             check_compile(compile_backend, tp)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
+        self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
+        self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
         self._parallelize_options = {
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_every": activation_checkpointing_every,
@@ -124,7 +140,20 @@ class ParallelStrategy(ModelParallelStrategy):
     @property
     def parallel_sizes(self) -> dict[str, int]:
         """Resolved sizes (``dp_shard=-1`` filled in once the world size is known), for the run card."""
-        return self.parallel_dims.sizes if self._parallel_dims is not None else dict(self._sizes)
+        if self._parallel_dims is not None:
+            return self.parallel_dims.sizes
+        return {k: v for k, v in self._sizes.items() if k != "pp" or v > 1}
+
+    @property
+    def pipeline_parallel(self) -> bool:
+        return self._sizes["pp"] > 1
+
+    @property
+    def stage_group(self):
+        """Ranks that hold the same pipeline stages (None without a pipeline: all ranks)."""
+        if not self.pipeline_parallel:
+            return None
+        return self.parallel_dims.mesh("stage").get_group()
 
     @property
     def data_parallel_rank(self) -> int:
@@ -166,7 +195,9 @@ class ParallelStrategy(ModelParallelStrategy):
         """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
         from lightning_moe.parallel.grad_norm import clip_grad_norm_
 
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        # under a pipeline each rank holds some stages' parameters: their norms are combined over the stages
+        group = self.parallel_dims.mesh("pp").get_group() if self.pipeline_parallel else None
+        return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
