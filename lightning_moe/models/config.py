@@ -76,6 +76,8 @@ class AttentionConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # epsilon of MLA's latent norms (q_a_norm, kv_a_norm) when it differs from ModelConfig.norm_eps
+    latent_norm_eps: float | None = None
 
     def window_for(self, attention_index: int) -> int | None:
         """Sliding window of the ``attention_index``-th attention block, or None for full attention."""

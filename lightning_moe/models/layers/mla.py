@@ -49,17 +49,20 @@ class MLA(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = mla_softmax_scale(cfg)
         heads = cfg.num_heads
+        # the latent norms' own epsilon where the hub fixes it (Kimi-Linear: transformers' default 1e-6)
+        latent_eps = cfg.latent_norm_eps if cfg.latent_norm_eps is not None else norm_eps
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden_size, cfg.q_lora_rank, bias=cfg.qkv_bias)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, norm_eps)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, latent_eps)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * self.qk_dim, bias=False)
         else:
             self.q_proj = nn.Linear(hidden_size, heads * self.qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
-        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, norm_eps)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, latent_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden_size, bias=cfg.out_bias)
-        self.rotary = RotaryEmbedding(cfg.rope, self.rope_dim, max_position_embeddings)
+        # rope type "none": the rope channels carry no position (Kimi-Linear's NoPE MLA)
+        self.rotary = RotaryEmbedding(cfg.rope, self.rope_dim, max_position_embeddings) if cfg.rope.type != "none" else None
 
     def reset_parameters(self, init_std: float = 0.02) -> None:
         for module in self.children():
@@ -81,11 +84,13 @@ class MLA(nn.Module):
         latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        cos, sin = self.rotary(layout.position_ids, q.dtype)
-        interleave = self.cfg.rope.interleave
-        q_rope = apply_rotary(q_rope, cos, sin, interleave)
-        # one rotary key for all heads
-        k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin, interleave).expand(-1, -1, k_nope.shape[2], -1)
+        k_rope = k_rope.unsqueeze(2)
+        if self.rotary is not None:
+            cos, sin = self.rotary(layout.position_ids, q.dtype)
+            interleave = self.cfg.rope.interleave
+            q_rope = apply_rotary(q_rope, cos, sin, interleave)
+            k_rope = apply_rotary(k_rope, cos, sin, interleave)
+        k_rope = k_rope.expand(-1, -1, k_nope.shape[2], -1)  # one rope key for all heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
         out = attend(
