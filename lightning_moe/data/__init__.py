@@ -18,6 +18,7 @@ from lightning_moe.data.packing import pack_first_fit_decreasing, pack_greedy, p
 from lightning_moe.data.pretrain import PretrainDataModule
 from lightning_moe.data.sampler import DataParallelSampler
 from lightning_moe.data.sft import SFTDataModule, build_packed_sft
+from lightning_moe.data.text_to_image import TextToImageDataModule
 from lightning_moe.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "PretrainDataModule",
     "SFTDataModule",
     "SampleFormat",
+    "TextToImageDataModule",
     "build_indexed_dataset_from_jsonl",
     "build_packed_sft",
     "collate_rows",
