@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "CausalLM": "lightning_moe.modules.causal_lm",
     "VisionLM": "lightning_moe.modules.vision_lm",
+    "DiffusionModule": "lightning_moe.modules.diffusion",
     "HFModelConfig": "lightning_moe.models.hf",
     "OptimizerConfig": "lightning_moe.modules.optim",
     "SchedulerConfig": "lightning_moe.modules.optim",
@@ -26,6 +27,7 @@ _PUBLIC = {
     "SFTDataModule": "lightning_moe.data",
     "PretrainDataModule": "lightning_moe.data",
     "MedPixDataModule": "lightning_moe.data",
+    "TextToImageDataModule": "lightning_moe.data",
     "Throughput": "lightning_moe.callbacks.throughput",
     "PeakMemory": "lightning_moe.callbacks.memory",
     "HealthCheck": "lightning_moe.callbacks.health",

@@ -68,6 +68,7 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         (f"Step time (mean of last {window} steps)" if window else "Step time", _number(card.get("step_time_s"), ".4g", " s")),
         ("Tokens/s/GPU", _number(card.get("tokens_per_s_per_gpu"), ",.0f")),
         ("Label tokens/s/GPU", _number(card.get("label_tokens_per_s_per_gpu"), ",.0f")),
+        *([("Images/s/GPU", _number(card["images_per_s_per_gpu"], ",.4g"))] if "images_per_s_per_gpu" in card else []),
         ("Model TFLOP/s/GPU", _number(card.get("tflops_per_gpu"), ".4g")),
         ("MFU", "n/a (device peak unknown)" if mfu is None else f"{100 * mfu:.1f} % of {card['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s"
                 + (f" ({card['peak_flops_source']})" if card.get("peak_flops_source") else "")),

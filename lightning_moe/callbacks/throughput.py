@@ -50,10 +50,14 @@ class StepSpeed:
     tokens: int
     label_tokens: int
     flops: float  # model FLOPs of the global batch
+    samples: int = 0  # samples of the global batch, for modules that name their unit (images)
+    sample_unit: str | None = None
 
     def rates(self, world_size: int, peak_flops: float | None) -> dict[str, float | None]:
         flops_per_gpu = self.flops / self.step_time_s / world_size
-        return {
+        per_sample = {f"{self.sample_unit}_per_s_per_gpu": self.samples / self.step_time_s / world_size
+                      } if self.sample_unit else {}
+        return {**per_sample,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens / self.step_time_s,
             "tokens_per_s_per_gpu": self.tokens / self.step_time_s / world_size,
@@ -72,6 +76,8 @@ def window_speed(steps: list[StepSpeed]) -> StepSpeed:
         tokens=round(sum(s.tokens for s in steps) / n),
         label_tokens=round(sum(s.label_tokens for s in steps) / n),
         flops=sum(s.flops for s in steps) / n,
+        samples=round(sum(s.samples for s in steps) / n),
+        sample_unit=steps[-1].sample_unit,
     )
 
 
@@ -129,6 +135,11 @@ class Throughput(StepEndCallback):
             "lightning_moe.models.flops (model config, real packed lengths)" if self.config is not None
             else "6 x parameters per token (the model has no ModelConfig)"
         )
+        # a module that counts its own micro-batches (throughput_counts: images, tokens, label tokens, FLOPs)
+        self.module_counts = getattr(pl_module, "throughput_counts", None)
+        self.sample_unit = getattr(pl_module, "throughput_unit", None) if self.module_counts else None
+        if self.module_counts is not None:
+            self.flops_method = f"{type(pl_module).__name__}.throughput_counts (the model's own FLOP count)"
         self.world_size = trainer.world_size
         self.data_parallel_size = data_parallel_size(trainer)
         device = pl_module.device
@@ -147,12 +158,14 @@ class Throughput(StepEndCallback):
 
     def _reset_step(self) -> None:
         self._tokens = 0
+        self._counted: list[tuple[int, int, int, float]] = []  # the module's own counts of its micro-batches
         # the step's micro-batches (position ids, labels): read back to the host once per step, not per micro-batch
         self._micro_batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def _step_counts(self) -> tuple[float, int]:
         """FLOPs and label tokens of this rank's micro-batches of the step."""
-        flops, label_tokens = 0.0, 0
+        flops = sum(c[3] for c in self._counted)
+        label_tokens = sum(c[2] for c in self._counted)
         for position_ids, labels in self._micro_batches:
             position_ids = position_ids.cpu()
             labels = None if labels is None else labels.cpu()
@@ -181,6 +194,12 @@ class Throughput(StepEndCallback):
     # ------------------------------------------------------------------ counting
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if getattr(self, "module_counts", None) is not None:
+            counts = self.module_counts(batch)
+            self._counted.append(counts)
+            self._tokens += counts[1]
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError("Throughput: batches must be dicts with 'input_ids' (and 'position_ids', 'labels')")
         input_ids = batch["input_ids"]
@@ -194,15 +213,20 @@ class Throughput(StepEndCallback):
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         now = time.perf_counter()
         stats = step_stats(trainer, pl_module)
-        local = torch.tensor([*self._step_counts(), self._tokens], dtype=torch.float64, device=pl_module.device)
+        samples = sum(c[0] for c in self._counted)
+        local = torch.tensor([*self._step_counts(), self._tokens, samples], dtype=torch.float64,
+                             device=pl_module.device)
         # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
-        flops, label_tokens, tokens = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
+        flops, label_tokens, tokens, samples = (
+            sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
         speed = StepSpeed(
             step=trainer.global_step,
             step_time_s=max(now - self._step_start, 1e-9),
             tokens=stats.tokens if stats is not None else round(tokens),
             label_tokens=stats.label_tokens if stats is not None else round(label_tokens),
             flops=flops,
+            samples=round(samples),
+            sample_unit=getattr(self, "sample_unit", None),
         )
         self._step_start = now
         self._reset_step()

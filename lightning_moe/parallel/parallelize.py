@@ -47,6 +47,18 @@ def parallelize(
             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
             compile=compile, compile_backend=compile_backend,
         )
+    from lightning_moe.models.diffusion.transformer import DiffusionTransformer
+
+    if isinstance(model, DiffusionTransformer):
+        # a diffusers transformer (image generation): data parallelism, AC and compile, see parallel/diffusion.py
+        from lightning_moe.parallel.diffusion import parallelize_diffusion
+
+        return parallelize_diffusion(
+            model, dims, activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+            compile=compile, compile_backend=compile_backend,
+        )
     dims.check_model(model.config)
     if compile:
         check_compile(compile_backend, dims.tp)

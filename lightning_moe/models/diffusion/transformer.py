@@ -1,0 +1,82 @@
+"""The trained diffusers transformer behind the interface the package's parallelism helpers use (``layers``: the
+repeated blocks that activation checkpointing, compile and FSDP2 take one by one), and its construction: meta
+device -> converters (LoRA, freezing) -> parallelize -> materialize -> the pipeline's transformer weights copied in,
+each rank keeping only its shards (no rank holds the whole model in memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class DiffusionTransformer(nn.Module):
+    """``transformer``: a diffusers transformer (``QwenImageTransformer2DModel``); ``family``: its call."""
+
+    mtp = None  # no multi-token-prediction heads: the parallelism helpers look for them
+
+    def __init__(self, transformer: nn.Module, family: Any) -> None:
+        super().__init__()
+        from lightning_moe.models.hf import _layer_units
+
+        self.transformer = transformer
+        self.family = family
+        # found before parallelism: FSDP renames the classes it wraps
+        self._unit_names = list(_layer_units(transformer))
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        return {f"transformer.{name}": self.transformer.get_submodule(name) for name in self._unit_names}
+
+    def forward(self, packed: torch.Tensor, sigmas: torch.Tensor, prompt_embeds: torch.Tensor,
+                prompt_mask: torch.Tensor, latent_hw: tuple[int, int]) -> torch.Tensor:
+        """The predicted velocity of packed noisy latents (see the family's ``predict``)."""
+        return self.family.predict(self.transformer, packed, sigmas, prompt_embeds, prompt_mask, latent_hw)
+
+
+def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], None] | None = None,
+                                parallelize: Callable[[nn.Module], Any] | None = None,
+                                device: torch.device | str = "cpu", seed: int = 0) -> DiffusionTransformer:
+    """The family's transformer with its pipeline's weights; adapters (if ``convert`` adds them) start from
+    ``seed``. Master weights are float32 whatever the checkpoint's dtype (FSDP's ``param_dtype`` sets the compute
+    dtype)."""
+    from lightning_moe.checkpoint.load import copy_tensors_into
+    from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+    from lightning_moe.models.hf import _restore_buffers, materialize, parameters_on_meta
+
+    cls = family.transformer_class
+    config = cls.load_config(family.transformer_dir)
+    with parameters_on_meta():
+        transformer = cls.from_config(config).float()
+    model = DiffusionTransformer(transformer, family)
+    if convert is not None:
+        convert(model.transformer)
+    if parallelize is not None:
+        parallelize(model)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    materialize(model, device)
+    _restore_buffers(model, buffers, device)
+    reader = SafetensorsDir(family.transformer_dir)
+    try:
+        copy_tensors_into(model.transformer, ((name, reader.get(name)) for name in reader.keys()))
+    finally:
+        reader.close()
+    expected = {n.replace(".base_layer.", ".") for n in model.transformer.state_dict() if ".lora_" not in n}
+    missing = sorted(expected - set(reader.keys()))
+    if missing:
+        raise ValueError(f"{family.transformer_dir}: no tensor for {', '.join(missing[:3])}"
+                         f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} of {cls.__name__}; a partial "
+                         f"checkpoint would start those weights at random")
+    if any(".lora_" in name for name, _ in model.named_parameters()):
+        from lightning_moe.peft import reset_lora_parameters
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            reset_lora_parameters(model)
+    return model
