@@ -71,3 +71,30 @@ def test_unknown_rows_and_missing_cards_are_named(run_dir, tmp_path, capsys):
     assert "no run_card.json" in capsys.readouterr().err
     assert compare.main(["--list"]) == 0
     assert capsys.readouterr().out.count("\n") == len(load_yaml(PUBLISHED_ROWS)["rows"])
+
+
+def test_a_card_row_shows_losses_and_memory_and_what_is_not_comparable(run_dir, capsys):
+    """A Megatron-Bridge card publishes losses and peak memory: both sides are shown, with the loss difference, and
+    the run (one CPU process) is flagged as another device with fewer GPUs for speed and memory, and as another
+    batch, sequence length and step count for the losses."""
+    row_id = "mbridge-lightning-pretrain-h100"
+    assert load_compare().main([str(run_dir), "--row", row_id]) == 0
+    out = capsys.readouterr().out.splitlines()
+    card = json.loads(next(run_dir.rglob("run_card.json")).read_text())
+    row = load_yaml(PUBLISHED_ROWS)["rows"][row_id]
+    compare = load_compare()
+    initial = next(line for line in out if line.startswith("initial loss"))
+    assert compare.number(row["initial_loss"]) in initial and compare.number(card["initial_loss"]) in initial
+    assert initial.endswith(f"{card['initial_loss'] - row['initial_loss']:+.4g}")
+    assert compare.number(row["final_loss"]) in next(line for line in out if line.startswith("final loss"))
+    for label, field in (("peak allocated", "peak_allocated_gib"), ("peak reserved", "peak_reserved_gib")):
+        assert compare.number(row[field]) in next(line for line in out if line.startswith(label))
+    assert next(line for line in out if line.startswith("CP")).split()[1:] == ["1", "2"]
+    device = card["device"]
+    assert (f"not comparable: TFLOP/s/GPU: other GPU ({device}, published H100); fewer GPUs (1, published 16); "
+            f"other global batch ({card['global_batch_size']}, published 512)") in "\n".join(out)
+    assert any(line.startswith("not comparable: peak reserved (GiB): other GPU") for line in out)
+    final = next(line for line in out if line.startswith("not comparable: final loss"))
+    assert "other number of steps (3, published 20)" in final and "other sequence length" in final
+    assert "not comparable: initial loss" in "\n".join(out)
+    assert "published: averaged over 10 steps" in out
