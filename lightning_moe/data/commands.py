@@ -4,6 +4,7 @@
         --packed-sequence-size 4096 [--pad-seq-to-mult 8] --output DIR
     lightning-moe data index --input FILE.jsonl --tokenizer DIR --output-prefix PREFIX [--json-key text]
     lightning-moe data samples --output DIR
+    lightning-moe data cache-latents --dataset FILE_OR_HUB_ID --model PIPELINE --output DIR [--resolution 1024]
 
 Errors print one line to stderr and return a non-zero status; outputs appear only when complete.
 """
@@ -53,6 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--json-key", default="text")
     index.add_argument("--append-eod", action="store_true", help="append the eos token to every document")
 
+    cache = sub.add_parser("cache-latents", help="encode image/caption rows once with a diffusion pipeline's frozen "
+                                                 "VAE and text encoder into a memory-mapped latent cache")
+    cache.add_argument("--dataset", required=True, help="parquet/jsonl/json file, save_to_disk folder or hub id")
+    cache.add_argument("--model", required=True, help="diffusers pipeline folder or hub id (Qwen/Qwen-Image)")
+    cache.add_argument("--output", required=True, help="cache folder (TextToImageDataModule cache_dir)")
+    cache.add_argument("--resolution", type=int, default=1024, help="square side of the encoded images")
+    cache.add_argument("--split", default="train")
+    cache.add_argument("--revision", default=None, help="hub revision of the dataset")
+    cache.add_argument("--image-column", default="image")
+    cache.add_argument("--caption-column", default="text")
+    cache.add_argument("--bad-rows", choices=("error", "skip"), default="error")
+    cache.add_argument("--batch-size", type=int, default=8, help="rows encoded at once")
+    cache.add_argument("--device", default="cpu", help="where the encoders run (cuda, cuda:1, cpu)")
+    cache.add_argument("--encoder-dtype", default="bfloat16")
+    cache.add_argument("--max-sequence-length", type=int, default=1024)
+    cache.add_argument("--overwrite", action="store_true")
+
     samples = sub.add_parser("samples", help="write synthetic sample files and a small tokenizer")
     samples.add_argument("--output", required=True)
     samples.add_argument("--seed", type=int, default=0)
@@ -67,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             result = _pack(args)
         elif args.command == "index":
             result = _index(args)
+        elif args.command == "cache-latents":
+            result = _cache_latents(args)
         else:
             from lightning_moe.data.samples import write_sample_files
 
             result = write_sample_files(args.output, seed=args.seed, vocab_size=args.vocab_size)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
         print(f"lightning-moe data {args.command}: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
@@ -107,6 +127,17 @@ def _index(args: argparse.Namespace) -> dict:
     stats = build_indexed_dataset_from_jsonl(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
                                              append_eod=args.append_eod)
     return {"output_prefix": args.output_prefix, **stats}
+
+
+def _cache_latents(args: argparse.Namespace) -> dict:
+    from lightning_moe.data.latent_cache import build_latent_cache
+
+    return build_latent_cache(
+        args.dataset, args.model, args.output, resolution=args.resolution, split=args.split, revision=args.revision,
+        image_column=args.image_column, caption_column=args.caption_column, bad_rows=args.bad_rows,
+        batch_size=args.batch_size, device=args.device, encoder_dtype=args.encoder_dtype,
+        max_sequence_length=args.max_sequence_length, overwrite=args.overwrite,
+    )
 
 
 if __name__ == "__main__":
