@@ -12,6 +12,8 @@ Conventions (those of Megatron-Bridge's published TFLOP/s/GPU, except where note
   (sdpa's math path, ``torch.utils.flop_counter``'s count) do more work on the scores than is reported here.
 - MoE: router + ``top_k`` routed experts + shared experts + latent projections.
 - Mamba-2: projections and conv, plus the chunked SSD scan of each real sequence (see :func:`mamba_flops`).
+- Gated DeltaNet / KDA: projections and conv, plus the chunked delta rule of each real sequence (see
+  :func:`delta_rule_flops`).
 - Output layer: ``2*hidden*vocab`` per token whose logits are computed. The fused loss computes logits only
   for tokens with a label, so an SFT batch counts its label tokens (Megatron counts every token; the two
   agree for pretraining). Each enabled MTP depth adds its projection, its blocks and one more output layer.
@@ -80,8 +82,8 @@ class ForwardFlops:
 def gqa_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
     att = cfg.attention
     q_width, kv_width = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
-    # q, k, v projections in and the output projection back
-    projections = 2 * seqs.tokens * cfg.hidden_size * (2 * q_width + 2 * kv_width)
+    # q (and its output gate), k, v projections in and the output projection back
+    projections = 2 * seqs.tokens * cfg.hidden_size * ((3 if att.output_gate else 2) * q_width + 2 * kv_width)
     # QK^T and (softmax)V, every query head, over the causal pairs
     scores = 2 * 2 * q_width * seqs.causal_pairs(window)
     return ForwardFlops(weights=projections, activations=scores)
@@ -139,6 +141,8 @@ def moe_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> Forwar
         total += 2 * (2.0 * tokens * hidden * moe.latent_size)  # into and out of the latent width
     if moe.num_shared_experts:
         total += feed_forward_flops(tokens, hidden, moe.shared_size, moe.activation)
+    if moe.shared_expert_gate:
+        total += 2.0 * tokens * hidden
     return ForwardFlops(weights=total)
 
 
@@ -160,9 +164,48 @@ def mamba_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> Forw
     return ForwardFlops(weights=weights, activations=scan)
 
 
+def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
+    """The chunked gated delta rule of each sequence, per value head (queries and keys serve every value head
+    of their group): per chunk of ``c`` tokens the two decayed products ``k k^T`` and ``q k^T`` (``2 c^2 d_k``
+    each), the unit-triangular solve for ``[v | k]`` (``c^2 (d_k + d_v)``: half a square matmul), the intra-chunk
+    output (``2 c^2 d_v``); between chunks the state written, and read twice (``3 x 2 c d_k d_v``), once per chunk
+    after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``."""
+    la = cfg.linear_attention
+    dk, dv, chunk = la.head_k_dim, la.head_v_dim, la.chunk_size
+    full, rest = seqs.lengths // chunk, seqs.lengths % chunk
+    square = int((full * chunk**2 + rest**2).sum())
+    carried = int(((full + (rest > 0) - 1).clamp(min=0) * chunk).sum())  # tokens of chunks that read a state
+    per_head = square * (2 * 2 * dk + (dk + dv) + 2 * dv) + 3 * 2.0 * carried * dk * dv
+    return la.num_v_heads * per_head
+
+
+def gated_deltanet_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    """Gated DeltaNet. Weights: q/k/v, z, b and a projections, the out-projection, the depthwise conv
+    (``conv_kernel`` multiply-adds per channel). Activations: :func:`delta_rule_flops`."""
+    la, hidden = cfg.linear_attention, cfg.hidden_size
+    key, value = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+    conv_dim = 2 * key + value
+    projections = hidden * (conv_dim + value + 2 * la.num_v_heads) + value * hidden
+    weights = 2.0 * seqs.tokens * (projections + la.conv_kernel * conv_dim)
+    return ForwardFlops(weights=weights, activations=delta_rule_flops(cfg, seqs))
+
+
+def kda_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
+    """Kimi Delta Attention. Weights: q/k/v projections, the low-rank forget and output gates, beta, the
+    out-projection, the conv. Activations: :func:`delta_rule_flops` (per-channel decays cost the same
+    products)."""
+    la, hidden = cfg.linear_attention, cfg.hidden_size
+    width, dim = la.num_v_heads * la.head_v_dim, la.head_v_dim
+    projections = 3 * hidden * width + 2 * (hidden * dim + dim * width) + hidden * la.num_v_heads + width * hidden
+    weights = 2.0 * seqs.tokens * (projections + la.conv_kernel * 3 * width)
+    return ForwardFlops(weights=weights, activations=delta_rule_flops(cfg, seqs))
+
+
 BLOCK_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int], ForwardFlops]] = {
     "*": attention_flops,
     "M": mamba_flops,
+    "G": gated_deltanet_flops,
+    "K": kda_flops,
     "-": mlp_flops,
     "E": moe_flops,
 }

@@ -148,12 +148,14 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
         # the state survives the chunk only if the whole chunk continues its sequence
         state_decay = state_decay * (last_doc == carry_doc)[:, None, :, None, None]
 
-    state = q.new_zeros(batch, heads, dk, v.shape[-1])
-    outs = []
-    for c in range(chunks):
+    # the first chunk starts from a zero state, and the state the last one leaves is never read
+    v_new, state = U[:, :, 0], None
+    outs = [qk[:, :, 0] @ v_new]
+    for c in range(1, chunks):
+        written = k_end[:, :, c - 1].transpose(-1, -2) @ v_new
+        state = written if state is None else state_decay[:, :, c - 1] * state + written
         v_new = U[:, :, c] - W[:, :, c] @ state
         outs.append(q_start[:, :, c] @ state + qk[:, :, c] @ v_new)
-        state = state_decay[:, :, c] * state + k_end[:, :, c].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2)  # [b, h, n, C, dv]
     return out.permute(0, 2, 3, 1, 4).reshape(batch, chunks * C, heads, -1)[:, :seq_len]
 
