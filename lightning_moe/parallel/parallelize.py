@@ -94,15 +94,13 @@ def parallelize(
     return model
 
 
-
 def refuse_converted_layers(model: nn.Module, what: str) -> None:
-    """The tensor-parallel plans split plain ``nn.Linear`` weights; LoRA-wrapped and FP8/MXFP8 linears need plans
-    of their own, so they are refused here rather than failing inside DTensor."""
+    """Converted layers the tensor-parallel plans cannot split yet are refused here, before DTensor fails on
+    them: FP8/MXFP8 linears (LoRA linears are split with their base, ``parallel/lora_tensor.py``)."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if hasattr(module, "base_layer") or kind.startswith(("Float8", "MX")):
-            converter = "LoRA" if hasattr(module, "base_layer") else "FP8/MXFP8"
+        if kind.startswith(("Float8", "MX")):
             raise ValueError(
-                f"{what}: tensor parallelism of {converter} layers ({name}: {kind}) is not supported; "
+                f"{what}: tensor parallelism of FP8/MXFP8 layers ({name}: {kind}) is not supported; "
                 f"use tp=1 with FSDP (dp_shard) and expert parallelism (ep) instead"
             )

@@ -15,10 +15,11 @@ experts are a dense MLP: split by channels like one, on the gathered sequence. T
 mean of the shards' losses, as for micro-batches.
 
 MLA splits its up projections by heads (the low-rank down projections are replicated); MTP depths reuse the
-block plans. Mamba-2 mixers keep their weights replicated too: each rank projects its sequence shard and trades
+block plans. Mamba-2 mixers (and Gated DeltaNet, KDA) keep their weights replicated too: each rank projects its sequence shard and trades
 tokens for heads with the others (``parallel/mamba.py``), so the scan of a head runs over the whole row on one
 rank. Supported: GQA/MHA (qk-norm, biases, sinks, sliding windows) and MLA attention, Mamba-2, dense MLPs, MoE,
-MTP, tied or untied output.
+MTP, tied or untied output. LoRA-wrapped linears are split together with their adapters
+(``parallel/lora_tensor.py``); the frozen base stays frozen.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
 
+    # torch's styles make new parameters that require gradients: frozen ones (LoRA's base) stay frozen
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(use_local_output=True),
@@ -58,9 +61,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
                 _replicate_over_sequence_shards(module, tp_mesh)
     for block in blocks:
         parallelize_module(block, tp_mesh, _block_plan(block))
-        if block.symbol == "M":
-            _replicate_over_sequence_shards(block.mamba, tp_mesh)
-            block.mamba.forward = heads_over_whole_rows(block.mamba, tp_mesh.get_group(), _rows_in_order)
+        if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: replicated weights, heads over whole rows
+            _replicate_over_sequence_shards(block.op, tp_mesh)
+            block.op.forward = heads_over_whole_rows(block.op, tp_mesh.get_group(), _rows_in_order)
         if block.symbol == "E":
             replicated = ["router", "fc1_latent_proj", "fc2_latent_proj"] + ([] if expert_parallel else ["experts"])
             for name in replicated:
@@ -73,6 +76,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks, tp_mesh, [Shard(0)]))
             use_local_parameters(block.attn, names=["sinks"])
     model.output_layer = VocabParallelOutput(tp_mesh)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def _rows_in_order(layout):
@@ -82,19 +88,15 @@ def _rows_in_order(layout):
 
 def _block_plan(block: nn.Module) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
     plan = {"norm": SequenceParallel(use_local_output=True)}
     if block.symbol == "*" and block.attn.cfg.type == "gqa":
+        attn = block.attn
         plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
         for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"attn.{name}"] = ColwiseParallel()
-        plan["attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
+            plan[f"attn.{name}"] = colwise(getattr(attn, name))
+        plan["attn.o_proj"] = rowwise(attn.o_proj, output_layouts=Shard(1))
         if block.attn.cfg.qk_norm:
             # per-head norms over local heads; the weight is shared by all heads, so its gradient is summed
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -110,14 +112,29 @@ def _mlp_plan(name: str, mlp: nn.Module) -> dict:
     """A dense MLP on the gathered sequence: gate/up split by output channels, down by input rows, its partial
     sums reduce-scattered back to sequence shards."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import PrepareModuleInput
 
     plan = {name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
     if mlp.activation == "swiglu":
-        plan[f"{name}.gate_proj"] = ColwiseParallel()
-    plan[f"{name}.up_proj"] = ColwiseParallel()
-    plan[f"{name}.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
+        plan[f"{name}.gate_proj"] = colwise(mlp.gate_proj)
+    plan[f"{name}.up_proj"] = colwise(mlp.up_proj)
+    plan[f"{name}.down_proj"] = rowwise(mlp.down_proj, output_layouts=Shard(1))
     return plan
+
+
+def colwise(linear: nn.Module, **layouts):
+    """The column-wise style for ``linear`` as the converters left it: plain, LoRA-wrapped (the adapter split
+    with it, ``parallel/lora_tensor.py``)."""
+    from lightning_moe.parallel.lora_tensor import LoraColwiseParallel
+
+    return LoraColwiseParallel(**layouts)
+
+
+def rowwise(linear: nn.Module, **layouts):
+    """The row-wise style for ``linear`` (see :func:`colwise`)."""
+    from lightning_moe.parallel.lora_tensor import LoraRowwiseParallel
+
+    return LoraRowwiseParallel(**layouts)
 
 
 def _distribute_parameters(module: nn.Module, tp_mesh, placement) -> None:
@@ -145,19 +162,25 @@ def _shard_mla(attn: nn.Module, tp_mesh) -> None:
     shards."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    if attn.o_proj.bias is not None:
+    from lightning_moe.parallel.lora_tensor import is_lora_linear, shard_lora_locally
+
+    if getattr(attn.o_proj, "base_layer", attn.o_proj).bias is not None:
         raise ValueError("tensor parallelism of MLA with an output bias (attention.out_bias) is not supported")
     group = tp_mesh.get_group()
     for name in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"):
         if hasattr(attn, name):
             _distribute_parameters(getattr(attn, name), tp_mesh, Replicate())
             use_local_parameters(getattr(attn, name), grad_placements=[Partial()])
-    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
-        if hasattr(attn, name):
-            _distribute_parameters(getattr(attn, name), tp_mesh, Shard(0))
-            use_local_parameters(getattr(attn, name))
-    _distribute_parameters(attn.o_proj, tp_mesh, Shard(1))
-    use_local_parameters(attn.o_proj)
+    for name, style in (("q_proj", "colwise"), ("q_b_proj", "colwise"), ("kv_b_proj", "colwise"),
+                        ("o_proj", "rowwise")):
+        if not hasattr(attn, name):
+            continue
+        linear = getattr(attn, name)
+        if is_lora_linear(linear):
+            shard_lora_locally(linear, tp_mesh, style)
+        else:
+            _distribute_parameters(linear, tp_mesh, Shard(0) if style == "colwise" else Shard(1))
+            use_local_parameters(linear)
     attn.register_forward_pre_hook(lambda module, args: (all_gather_autograd(args[0], 1, group), *args[1:]))
     attn.register_forward_hook(lambda module, args, output: reduce_scatter_autograd(output, 1, group))
 
@@ -226,7 +249,7 @@ def sum_partial_gradients(model: nn.Module) -> None:
         # on the first forward, i.e. after materialization: ``to_empty`` swaps DTensor parameters for new
         # objects, which would drop hooks registered on the meta-device ones
         for param in module.parameters():
-            if isinstance(param, DTensor) and any(p.is_replicate() for p in param.placements):
+            if isinstance(param, DTensor) and param.requires_grad and any(p.is_replicate() for p in param.placements):
                 param.register_post_accumulate_grad_hook(redistribute)
         handle.remove()
 

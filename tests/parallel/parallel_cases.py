@@ -335,9 +335,13 @@ def run_forward(case: str, model: str, sizes: dict[str, int], backend: str, wind
 
 
 def check_cases(cases: list[tuple]) -> None:
-    """Run every ``(function name, args, kwargs)`` case on this rank; report all mismatches together."""
+    """Run every ``(function name, args, kwargs)`` case on this rank (``module.function`` names a function of
+    another cases module); report all mismatches together."""
+    import importlib
+
     problems = []
     for function, args, kwargs in cases:
-        problems += globals()[function](*args, **kwargs)
+        module, _, name = function.rpartition(".")
+        problems += (getattr(importlib.import_module(module), name) if module else globals()[name])(*args, **kwargs)
     if problems:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))

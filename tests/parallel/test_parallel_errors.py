@@ -139,23 +139,14 @@ def test_context_parallel_split_is_load_balanced_and_complete():
     assert sum(int(s["num_label_tokens"]) for s in shards) == int((batch["labels"] != -100).sum())
 
 
-@pytest.mark.parametrize("converter", ["lora", "fp8"])
-def test_tensor_parallel_refuses_converted_layers(converter):
+def test_tensor_parallel_refuses_converted_layers():
     from lightning_moe.parallel.parallelize import refuse_converted_layers
+    from lightning_moe.precision import Float8Config, apply_float8
 
     with torch.device("meta"):
         model = Decoder(ModelConfig(vocab_size=64, hidden_size=64, pattern="*-",
                                     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16),
                                     mlp=MLPConfig(64)))
-    if converter == "lora":
-        from lightning_moe.peft import LoraConfig, apply_lora
-
-        apply_lora(model, LoraConfig(r=4, alpha=4, target_modules=["q_proj"]))
-        message = r"tp=2: tensor parallelism of LoRA layers \(layers.0.attn.q_proj"
-    else:
-        from lightning_moe.precision import Float8Config, apply_float8
-
-        apply_float8(model, Float8Config(recipe="tensorwise", emulate=True, min_dim=16))
-        message = r"tp=2: tensor parallelism of FP8/MXFP8 layers"
-    with pytest.raises(ValueError, match=message):
+    apply_float8(model, Float8Config(recipe="tensorwise", emulate=True, min_dim=16))
+    with pytest.raises(ValueError, match=r"tp=2: tensor parallelism of FP8/MXFP8 layers"):
         refuse_converted_layers(model, "tp=2")

@@ -7,7 +7,7 @@ at most 0.6x the single-process parameters + gradients + AdamW state per rank. C
 resume on another and continue the same loss curve. Gradient accumulation under HSDP (the all-reduce
 across replicas deferred to a step's last micro-batch) trains like one process on the whole global batch.
 Tensor and expert parallelism share ranks (experts split over
-dp_shard x tp). One launch per world size runs all its layouts.
+dp_shard x tp); LoRA adapters split with their tensor-parallel base layers. One launch per world size runs all its layouts.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 from distributed_harness import run_distributed_test
 
 pytestmark = pytest.mark.distributed
+# cases of converted models (LoRA, FP8) under tensor parallelism
+TP = "tensor_parallel_cases"
 
 
 def test_two_rank_layouts_match_single_process(tmp_path):
@@ -40,6 +42,11 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("tp+sp, Mamba-2 heads traded for sequence shards", "hybrid", {"tp": 2}), {}),
         ("run_layout", ("tp x ep over the tp ranks (no FSDP), Mamba-2, shared expert", "hybrid",
                         {"tp": 2, "ep": 2}), {}),
+        (f"{TP}.run_lora_layout", ("tp LoRA, dense", "llama", {"tp": 2}, {"r": 4, "alpha": 8}), {}),
+        (f"{TP}.run_lora_layout", ("tp LoRA, stacked-expert adapters, qk-norm", "qwen3_moe", {"tp": 2},
+                                   {"r": 4, "alpha": 8, "target_experts": True}), {}),
+        (f"{TP}.run_lora_layout", ("tp LoRA, MLA, shared and stacked experts, MTP adapters", "deepseek_like",
+                                   {"tp": 2}, {"r": 4, "alpha": 8, "target_experts": True, "include_mtp": True}), {}),
         ("run_layout", ("cp, compiled blocks with activation checkpointing inside", "hybrid", {"cp": 2}),
          {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
@@ -63,6 +70,11 @@ def test_four_rank_layouts_match_single_process(tmp_path):
                         "deepseek_like", {"tp": 2, "ep": 2}), {}),
         ("run_layout", ("tp x ep=4 (ep over dp_shard x tp), MLA, shared expert, MTP", "deepseek_like",
                         {"tp": 2, "ep": 4}), {}),
+        (f"{TP}.run_lora_layout", ("tp x fsdp LoRA, dense", "llama", {"tp": 2, "dp_shard": 2},
+                                   {"r": 4, "alpha": 8}), {}),
+        (f"{TP}.run_lora_layout", ("tp x ep=4 LoRA, MLA, stacked-expert and MTP adapters", "deepseek_like",
+                                   {"tp": 2, "ep": 4}, {"r": 4, "alpha": 8, "target_experts": True,
+                                                        "include_mtp": True}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
                          {"dp_replicate": 2, "dp_shard": 2}, str(tmp_path / "ep-to-hsdp")), {}),
     ]
