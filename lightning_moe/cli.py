@@ -26,10 +26,12 @@ TOOLS = {
 
 
 def default_callbacks() -> list:
-    """Throughput, peak memory, NaN/inf health and the run card: every training run gets them."""
-    from lightning_moe.callbacks import HealthCheck, PeakMemory, RunCard, Throughput
+    """Throughput, peak memory, NaN/inf health, preemption handling and the run card: every training run gets
+    them."""
+    from lightning_moe.callbacks import HealthCheck, PeakMemory, Preemption, RunCard, Throughput
 
-    return [Throughput(), PeakMemory(), HealthCheck(), RunCard()]
+    # Preemption last: it ends the run at a step's end, after the others have seen that step
+    return [Throughput(), PeakMemory(), HealthCheck(), RunCard(), Preemption()]
 
 
 def replace_lightning_defaults(callbacks: list) -> list:

@@ -1,6 +1,7 @@
 """Callbacks Lightning lacks: throughput (tokens/s/GPU, TFLOP/s/GPU, MFU), peak memory, health (NaN/inf
-skip or stop) and the run card (``run_card.json`` / ``run_card.md``); a progress bar in optimizer steps and a
-model summary with model FLOPs in place of Lightning's.
+skip or stop), preemption (SIGTERM / Slurm requeue: save at the step's end, then exit or requeue) and the run
+card (``run_card.json`` / ``run_card.md``); a progress bar in optimizer steps and a model summary with model
+FLOPs in place of Lightning's.
 
 Imported on first use, so ``lightning-moe report`` does not load Lightning.
 """
@@ -13,6 +14,8 @@ _PUBLIC = {
     "HealthCheck": "lightning_moe.callbacks.health",
     "ModelSummary": "lightning_moe.callbacks.summary",
     "PeakMemory": "lightning_moe.callbacks.memory",
+    "Preempted": "lightning_moe.callbacks.preemption",
+    "Preemption": "lightning_moe.callbacks.preemption",
     "RunCard": "lightning_moe.callbacks.run_card",
     "StepProgressBar": "lightning_moe.callbacks.progress",
     "Throughput": "lightning_moe.callbacks.throughput",

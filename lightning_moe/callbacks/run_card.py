@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
 from lightning_moe.callbacks.health import HealthCheck
 from lightning_moe.callbacks.memory import PeakMemory
+from lightning_moe.callbacks.preemption import Preempted, Preemption
 from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
 from lightning_moe.callbacks.throughput import Throughput
 from lightning_moe.checkpoint.atomic import atomic_write_text
@@ -77,7 +78,8 @@ def checkpoints_written(trainer: pl.Trainer) -> list[str]:
         paths += [p for p in (getattr(callback, "best_model_path", ""), getattr(callback, "last_model_path", "")) if p]
         folder = getattr(callback, "dirpath", None)
         if folder and os.path.isdir(folder):
-            paths += [os.path.join(folder, name) for name in sorted(os.listdir(folder))]
+            # hidden entries are saves in progress or left unfinished (``.partial``), not checkpoints
+            paths += [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if not name.startswith(".")]
     return list(dict.fromkeys(paths))
 
 
@@ -151,8 +153,10 @@ class RunCard(StepEndCallback):
         self.write(trainer, pl_module, "completed" if stopped is None else f"stopped by HealthCheck at step {stopped}")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        status = (f"preempted: {exception}" if isinstance(exception, Preempted)
+                  else f"failed: {type(exception).__name__}: {exception}")
         try:
-            self.write(trainer, pl_module, f"failed: {type(exception).__name__}: {exception}")
+            self.write(trainer, pl_module, status)
         except Exception as error:  # the run's own exception is the one to see
             rank_zero_warn(f"RunCard: could not write the card after the failure: {error}")
 
@@ -160,6 +164,7 @@ class RunCard(StepEndCallback):
         throughput = find_callback(trainer, Throughput)
         memory = find_callback(trainer, PeakMemory)
         health = find_callback(trainer, HealthCheck)
+        preemption = find_callback(trainer, Preemption)
         model = describe_model(pl_module)
         losses = self.losses.values()
         datamodule = trainer.datamodule
@@ -183,7 +188,9 @@ class RunCard(StepEndCallback):
             **(throughput.summary() if throughput else {}),
             **(memory.summary() if memory else {}),
             **(health.summary() if health else {}),
-            "checkpoints": checkpoints_written(trainer),
+            "preemption": preemption.record if preemption else None,
+            "checkpoints": checkpoints_written(trainer) + ([preemption.record["checkpoint"]]
+                                                           if preemption and preemption.record else []),
             "versions": versions(),
             "command": shlex.join(sys.argv),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),

@@ -10,7 +10,9 @@ With gradient accumulation under HSDP, the all-reduce across replicas runs once 
 (``block_backward_sync``).
 
 Distributed checkpoints are Lightning's (DCP directories); parameters and optimizer states are DTensors
-with global shapes, so a checkpoint saved on one mesh resumes on another.
+with global shapes, so a checkpoint saved on one mesh resumes on another. Every checkpoint is written under a
+temporary name and renamed when complete, and checked for completeness before it is read
+(``checkpoint.training``); a run whose model has no DTensors (one process) resumes as well.
 
 YAML::
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -226,3 +229,35 @@ class ParallelStrategy(ModelParallelStrategy):
         if data is not None:
             self.parallel_dims.check_data_module(data)
         super().setup(trainer)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Lightning's save, written under ``.partial/`` and moved to ``filepath`` once complete on every rank
+        (see ``checkpoint.training``): a kill mid-save leaves the previous checkpoint of that name intact."""
+        from lightning_moe.checkpoint.training import clear_staging, publish, staging_path
+
+        final = Path(self.broadcast(str(filepath)))
+        staged = staging_path(final)
+        if self.is_global_zero:
+            clear_staging(final)
+        self.barrier("ParallelStrategy.save_checkpoint: staging cleared")
+        super().save_checkpoint(checkpoint, staged, storage_options)
+        self.barrier("ParallelStrategy.save_checkpoint: written")
+        if self.is_global_zero:
+            publish(staged, final)
+        self.barrier("ParallelStrategy.save_checkpoint: published")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load after a completeness check naming any missing or truncated file; a model without
+        DTensor parameters (one process, no FSDP or TP) loads too."""
+        from torch.distributed.tensor import DTensor
+
+        from lightning_moe.checkpoint.training import check_complete, load_unsharded
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        check_complete(path)
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return load_unsharded(path, self.model, optimizers, strict=self.lightning_module.strict_loading,
+                              weights_only=weights_only)

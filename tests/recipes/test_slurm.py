@@ -76,18 +76,31 @@ def run_script(tmp_path: Path, run_dir: Path) -> list[str]:
     return (tmp_path / "bin" / "srun.args").read_text().split()
 
 
-def test_script_resumes_from_the_hpc_checkpoint_or_the_last_periodic_one(tmp_path):
+def test_script_resumes_from_the_newest_hpc_or_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     assert main(["slurm", "--config", RECIPE, "--run-dir", str(run_dir)]) == 0
     args = run_script(tmp_path, run_dir)
     assert args[:4] == ["--kill-on-bad-exit=1", "lightning-moe", "fit", "--config"]
     assert "--ckpt_path" not in args  # a first run starts fresh
+
+    def resumed_from() -> str:
+        args = run_script(tmp_path, run_dir)
+        return args[args.index("--ckpt_path") + 1]
+
     last = run_dir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     last.mkdir(parents=True)  # distributed checkpoints are directories
-    args = run_script(tmp_path, run_dir)
-    assert args[args.index("--ckpt_path") + 1] == str(last)
-    (run_dir / "hpc_ckpt_1.ckpt").mkdir()  # written on SIGUSR1: Lightning restores it without --ckpt_path
-    assert "--ckpt_path" not in run_script(tmp_path, run_dir)
+    os.utime(last, (1000, 1000))
+    assert resumed_from() == str(last)
+    hpc = run_dir / "hpc_ckpt_1.ckpt"  # written on SIGUSR1 or SIGTERM by the Preemption callback
+    hpc.mkdir()
+    os.utime(hpc, (2000, 2000))
+    assert resumed_from() == str(hpc)
+    os.utime(last, (3000, 3000))  # a periodic save after resuming from the hpc checkpoint: newer, so it wins
+    assert resumed_from() == str(last)
+    unfinished = last.parent / ".partial" / "last.ckpt"  # a save that was killed is never resumed from
+    unfinished.mkdir(parents=True)
+    os.utime(unfinished, (4000, 4000))
+    assert resumed_from() == str(last)
 
 
 def test_sizes_that_do_not_fit_the_gpus_fail_before_writing(tmp_path, capsys):
