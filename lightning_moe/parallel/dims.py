@@ -1,8 +1,9 @@
 """Parallel sizes, their validation, and the device meshes built from them.
 
-Dense parameters live on the world mesh ``(dp_replicate, dp_shard, cp, tp)`` (row-major over ranks, so
+Pipeline stages take the outermost dimension ``pp`` (each pipeline rank holds different blocks; see
+``parallel/pipeline.py``); inside one pipeline rank, dense parameters live on the mesh ``(dp_replicate, dp_shard, cp, tp)`` (row-major over ranks, so
 tensor-parallel peers are neighbours). Experts live on a second mesh over the same ranks,
-``(dp_replicate, ep_shard, ep)``: expert parallelism is carved out of the ``dp_shard * cp * tp`` ranks
+``(pp, dp_replicate, ep_shard, ep)``: expert parallelism is carved out of the ``dp_shard * cp * tp`` ranks
 (Megatron-Core's parallel folding, torchtitan's rule), and the remaining ``ep_shard = dp_shard * cp * tp / ep``
 ranks shard the experts with FSDP. Routed experts are never split by tensor parallelism: under TP each rank
 routes its own sequence shard, so tensor-parallel peers hold different tokens for the experts, just as
@@ -17,6 +18,8 @@ Named sub-meshes (``dims.mesh(name)``):
     ``cp``, ``tp``, ``dp_replicate``, ``dp_shard``
     ``ep``            ranks that exchange tokens for their experts
     ``expert_fsdp``   what FSDP shards experts over: ``ep_shard``, or ``(dp_replicate, ep_shard)``
+    ``pp``            the ranks that hold the stages of one pipeline (same data, different blocks)
+    ``stage``         the ranks that hold the same stages (all but ``pp``; only when ``pp > 1``)
 """
 
 from __future__ import annotations
@@ -33,10 +36,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_linear_attention_split(config, pattern: str, size: int, name: str) -> None:
+    """Gated DeltaNet / KDA blocks under ``name`` (cp or tp) trade tokens for whole (key) heads."""
+    from lightning_moe.parallel.mamba import check_head_split
+
+    la = config.linear_attention
+    if "G" in pattern:
+        check_head_split(la.num_k_heads, size, name, "linear_attention.num_k_heads", "whole key heads")
+    if "K" in pattern:
+        check_head_split(la.num_v_heads, size, name, "linear_attention.num_v_heads", "whole heads")
+
+
 @dataclass
 class ParallelDims:
     """Sizes of each parallel dimension for ``world_size`` ranks; ``dp_shard=-1`` takes what is left."""
 
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1
     cp: int = 1
@@ -47,20 +62,21 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         check_sizes(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
-        others = self.dp_replicate * self.cp * self.tp
+        check_pp(self.pp)
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"dp_replicate*cp*tp = {self.dp_replicate}*{self.cp}*{self.tp} = {others} does not divide the "
-                    f"world size {self.world_size}; use sizes whose product divides {self.world_size}"
+                    f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others} does not "
+                    f"divide the world size {self.world_size}; use sizes whose product divides {self.world_size}"
                 )
             self.dp_shard = self.world_size // others
         total = others * self.dp_shard
         if total != self.world_size:
             raise ValueError(
-                f"dp_replicate*dp_shard*cp*tp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = {total} "
-                f"!= world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the rest, or sizes "
-                f"that multiply to {self.world_size}"
+                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} "
+                f"= {total} != world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the rest, or "
+                f"sizes that multiply to {self.world_size}"
             )
         if self.expert_region % self.ep:
             raise ValueError(
@@ -95,7 +111,9 @@ class ParallelDims:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in SIZE_NAMES}
+        """The sizes by name (``pp`` only when pipelining)."""
+        sizes = {name: getattr(self, name) for name in SIZE_NAMES}
+        return {"pp": self.pp, **sizes} if self.pp > 1 else sizes
 
     def sequence_multiple(self) -> int:
         """Row lengths must be a multiple of this: 2*cp load-balanced chunks, each rank's cp share split over tp."""
@@ -108,6 +126,10 @@ class ParallelDims:
         pattern = config.pattern + (config.mtp.pattern if config.mtp is not None and config.mtp.num_layers else "")
         has_attention = "*" in pattern
         if self.tp > 1:
+            check_linear_attention_split(config, pattern, self.tp, "tp")
+            if self.cp > 1 and ("G" in pattern or "K" in pattern):
+                raise ValueError(f"tp={self.tp} with cp={self.cp}: Gated DeltaNet / KDA blocks split rows over one of "
+                                 f"them at a time; use tp=1 or cp=1")
             if "M" in pattern:
                 from lightning_moe.parallel.mamba import check_head_split
 
@@ -145,6 +167,7 @@ class ParallelDims:
                     f"{divisors(config.vocab_size)}"
                 )
         if self.cp > 1:
+            check_linear_attention_split(config, pattern, self.cp, "cp")
             if "M" in pattern:
                 from lightning_moe.parallel.mamba import check_head_split
 
@@ -199,13 +222,15 @@ class ParallelDims:
 
         world = init_device_mesh(
             device_type,
-            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
         )
-        meshes = {name: world[name] for name in ("dp_replicate", "dp_shard", "cp", "tp")}
+        meshes = {name: world[name] for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if self.pp > 1:
+            meshes["stage"] = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
         meshes["fsdp"] = meshes["dp_shard_cp"]
         if self.dp_replicate > 1:
             with warnings.catch_warnings():
@@ -216,8 +241,8 @@ class ParallelDims:
         if self.ep > 1:
             experts = init_device_mesh(
                 device_type,
-                (self.dp_replicate, self.ep_shard, self.ep),
-                mesh_dim_names=("dp_replicate", "ep_shard", "ep"),
+                (self.pp, self.dp_replicate, self.ep_shard, self.ep),
+                mesh_dim_names=("pp", "dp_replicate", "ep_shard", "ep"),
             )
             meshes["ep"] = experts["ep"]
             meshes["expert_fsdp"] = experts["dp_replicate", "ep_shard"] if self.dp_replicate > 1 else experts["ep_shard"]
@@ -237,6 +262,15 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.mesh("dp").get_local_rank() if self._meshes else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh("pp").get_local_rank() if self._meshes else 0
+
+
+def check_pp(pp: int) -> None:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pp={pp!r} must be a positive integer (pipeline stages)")
 
 
 def check_sizes(dp_replicate: int, dp_shard: int, cp: int, tp: int, ep: int) -> None:

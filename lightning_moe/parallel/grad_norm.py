@@ -14,13 +14,15 @@ import torch
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    stage_group=None) -> torch.Tensor:
     """Scale gradients so that their total ``norm_type`` norm is at most ``max_norm``; returns the norm
-    before clipping (a plain tensor, equal on every rank)."""
+    before clipping (a plain tensor, equal on every rank). ``stage_group``: the pipeline ranks, whose
+    parameters are different blocks of the same model (their norms are combined too)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and stage_group is None:
         return torch.zeros(())
     groups: dict[tuple, list[torch.Tensor]] = {}
     for grad in grads:
@@ -30,8 +32,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = grads[0].device
-    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type) if norms else torch.zeros(())
+    if stage_group is not None:
+        import torch.distributed as dist
+
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=stage_group)
+        else:
+            total = total.double() ** norm_type
+            dist.all_reduce(total, group=stage_group)
+            total = (total ** (1.0 / norm_type)).float()
     coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     if coefficient < 1.0:
         for grad in grads:

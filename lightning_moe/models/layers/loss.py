@@ -24,7 +24,7 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                vocab_group=None, vocab_start: int = 0, grad_enabled: bool = True):
+                vocab_group=None, vocab_start: int = 0, grad_enabled: bool = True, repeatable: bool = False):
         # ``needs_input_grad`` only says whether inputs require grad, also under no_grad (evaluation): the
         # caller's grad mode, which forward cannot see, decides whether gradients are worth computing
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
@@ -81,6 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the gradients are results, not inputs: kept on ctx and handed over once, so backward can scale them in
         # place (a second [vocab, hidden] copy at the moment activation memory peaks is what it saves)
         ctx.gradients = (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.repeatable = repeatable
         return loss_sum
 
     @staticmethod
@@ -89,11 +90,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("backward through the fused output layer and loss a second time: its gradients "
                                "were handed over by the first backward (retain_graph is not supported here)")
         grad_hidden, grad_weight = ctx.gradients
+        if ctx.repeatable:
+            # backward in two passes (input gradients, then weight gradients: zero-bubble pipeline schedules):
+            # the gradients stay on ctx, each pass gets scaled copies
+            grad_hidden, grad_weight = (None if g is None else g * grad_loss.to(g.dtype) for g in ctx.gradients)
+            return grad_hidden, grad_weight, None, None, None, None, None, None
         ctx.gradients = None
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 grad.mul_(grad_loss.to(grad.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _add_upcast_(accumulator: torch.Tensor, update: torch.Tensor, rows_per_block: int = 2048) -> None:
@@ -127,7 +133,7 @@ def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab
 
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
-    vocab_group=None, vocab_start: int = 0,
+    vocab_group=None, vocab_start: int = 0, repeatable_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropy losses of ``hidden @ weight.T`` against ``labels``, and the label count.
 
@@ -138,6 +144,9 @@ def linear_cross_entropy(
     over ``vocab_group`` and every rank passes the same ``hidden`` and ``labels``. The loss is the
     full-vocabulary loss on every rank; the gradient of ``hidden`` is this rank's share, to be summed over
     the group by the caller.
+
+    ``repeatable_backward``: the backward may run more than once over the same graph (costs a copy of the
+    gradients).
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
@@ -149,21 +158,23 @@ def linear_cross_entropy(
     if count < labels.numel():
         hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start,
-                                         torch.is_grad_enabled())
+                                         torch.is_grad_enabled(), repeatable_backward)
     return loss_sum, torch.tensor(count, device=hidden.device)
 
 
 class OutputLayer:
     """How the decoder meets its output weight: logits, or the loss fused with the output GEMM. Tensor
     parallelism gives the decoder a vocabulary-parallel version of the same two methods
-    (``lightning_moe/parallel/tensor.py``)."""
+    (``lightning_moe/parallel/tensor.py``). ``repeatable_backward``: see :func:`linear_cross_entropy`."""
+
+    repeatable_backward = False
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, weight)
 
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return linear_cross_entropy(hidden, weight, labels, chunk_size)
+        return linear_cross_entropy(hidden, weight, labels, chunk_size, repeatable_backward=self.repeatable_backward)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

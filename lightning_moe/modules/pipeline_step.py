@@ -1,0 +1,275 @@
+"""The training module's side of pipeline parallelism: build the stages, run one schedule per optimizer step.
+
+Lightning still accumulates ``trainer.accumulate_grad_batches`` micro-batches per optimizer step, so data
+loading, resume positions and callbacks are unchanged; under a pipeline each micro-batch is only kept, and the
+step's last one runs the schedule over all of them (forward and backward of every stage; ``training_step``
+returns a zero unconnected to the model, so Lightning's own backward does nothing). The schedule backpropagates the raw objective sums
+(``scale_grads=False``); the training module then divides by the global label count as without a pipeline.
+Loss sums of all stages are summed over the pipeline ranks, so every rank logs and scales by the same figures.
+
+Evaluation runs the stages in order, sending the activations point to point (no schedule: no backward).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.parallel.pipeline import (
+    SCHEDULES,
+    SINGLE_STAGE,
+    SPLIT_BACKWARD,
+    PipelinedDecoder,
+    describe_split,
+    split_model,
+    stage_indices,
+)
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+class PipelineRunner:
+    """Stages of one rank, their schedule (built at the first step, when the micro-batch count is known) and the
+    micro-batches of the step being collected."""
+
+    def __init__(self, model: PipelinedDecoder, dims, schedule: str, vp: int, specs, device: torch.device) -> None:
+        self.model, self.dims, self.schedule_name, self.vp, self.specs = model, dims, schedule, vp, specs
+        self.device = device
+        self.group = dims.mesh("pp").get_group()
+        self.num_stages = dims.pp * vp
+        self.local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
+        self.split = describe_split(specs, dims.pp, schedule, vp)
+        self.schedule = None
+        self.micro_batches = 0
+        self.pending: list[dict[str, torch.Tensor]] = []
+        self.shape: tuple[int, ...] | None = None
+        self.step_seconds: list[float] = []  # wall time of each step's schedule (for the bubble measurement)
+
+    # ------------------------------------------------------------------ keys every rank reduces
+    def sum_names(self, training: bool = True) -> list[str]:
+        cfg = self.model.config
+        names = ["loss_sum", "label_tokens"]
+        if not training:
+            return names
+        pattern = cfg.pattern + (cfg.mtp.pattern if cfg.mtp is not None and cfg.mtp.num_layers else "")
+        if cfg.moe is not None and "E" in pattern and cfg.moe.aux_loss_coeff > 0:
+            names.append("aux_loss")
+        depths = cfg.mtp.num_layers if cfg.mtp is not None and cfg.mtp.enabled else 0
+        for depth in range(1, depths + 1):
+            names += [f"mtp_{depth}_loss_sum", f"mtp_{depth}_tokens"]
+        return names
+
+    def _reduce_sums(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """This rank's stages' sums of the step, summed over the pipeline ranks (float64)."""
+        totals = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for stage in self.model.stages:
+            for sums in stage.sums:
+                for key, value in sums.items():
+                    if key in names:  # evaluation reports the main loss only
+                        totals[names.index(key)] += value.double()
+            stage.sums.clear()
+        dist.all_reduce(totals, group=self.group)
+        return dict(zip(names, totals))
+
+    # ------------------------------------------------------------------ schedule
+    def _build_schedule(self, micro_batches: int) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        stages = [PipelineStage(stage, index, self.num_stages, self.device, group=self.group)
+                  for index, stage in zip(self.local, self.model.stages)]
+        cls = get_schedule_class(SCHEDULES[self.schedule_name])
+        try:
+            self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
+                                n_microbatches=micro_batches, loss_fn=_objective, scale_grads=False)
+        except ValueError as error:
+            raise ValueError(
+                f"pp_schedule={self.schedule_name!r} with pp={self.dims.pp}, vp={self.vp} cannot run "
+                f"{micro_batches} micro-batches per step ({error}); set global_batch_size so that each "
+                f"data-parallel rank gets a number of micro-batches that fits (e.g. a multiple of pp={self.dims.pp}, "
+                f"at least pp*vp={self.num_stages})"
+            ) from None
+        self.micro_batches = micro_batches
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        """Refuse, before the first step, a micro-batch count the pipeline cannot fill."""
+        if micro_batches < self.dims.pp:
+            raise ValueError(
+                f"pp={self.dims.pp} pipeline stages need at least {self.dims.pp} micro-batches per step, got "
+                f"{micro_batches} (global_batch_size / (micro_batch_size x data-parallel size)); raise "
+                f"global_batch_size to at least {self.dims.pp} x micro_batch_size x data-parallel size"
+            )
+
+    # ------------------------------------------------------------------ training
+    def add(self, batch: dict[str, torch.Tensor], micro_batches: int) -> dict[str, torch.Tensor] | None:
+        """Keep a micro-batch; with the step's last one, run the schedule and return the step's sums."""
+        shape = tuple(batch["input_ids"].shape)
+        if self.shape is None:
+            self.shape = shape
+        elif shape != self.shape:
+            raise ValueError(
+                f"pipeline parallelism needs micro-batches of one shape (the stages' buffers are sized at the "
+                f"first step): got {shape} after {self.shape}; pack rows or pad them to a fixed length "
+                f"(seq_length / packed_sequence_size / pad_seq_to_mult)"
+            )
+        self.pending.append(batch)
+        if len(self.pending) < micro_batches:
+            return None
+        if self.schedule is None:
+            self.check_micro_batches(micro_batches)
+            self._build_schedule(micro_batches)
+            for stage in self.model.stages:
+                stage.metadata_pass_pending = True
+        elif micro_batches != self.micro_batches:
+            raise ValueError(f"the pipeline schedule was built for {self.micro_batches} micro-batches per step, "
+                             f"this step has {micro_batches}")
+        batches, self.pending = self.pending, []
+        whole = {key: torch.cat([b[key] for b in batches]) for key in ("input_ids", "labels", "position_ids")
+                 if batches[0].get(key) is not None}
+        kwargs = {"token_ids": whole["input_ids"], "labels": whole["labels"]}
+        if "position_ids" in whole:
+            kwargs["position_ids"] = whole["position_ids"]
+        first = any(self.specs[i].embedding for i in self.local)
+        last = any(self.specs[i].output for i in self.local)
+        for param in self.model.parameters():
+            param.grad = None
+        start = time.perf_counter()
+        self.schedule.step(*((whole["input_ids"],) if first else ()), target=whole["labels"] if last else None,
+                           return_outputs=False, **kwargs)
+        self.step_seconds.append(time.perf_counter() - start)
+        sums = self._reduce_sums(self.sum_names())
+        sums["tokens"] = torch.tensor(float(whole["input_ids"].numel()), dtype=torch.float64, device=self.device)
+        return sums
+
+    def check_step_complete(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"an optimizer step came with {len(self.pending)} micro-batches kept but not run "
+                               f"through the pipeline (the step's micro-batch count changed?)")
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward of every stage in order, activations sent point to point; the loss sums of the batch."""
+        kwargs = {"token_ids": batch["input_ids"], "labels": batch["labels"]}
+        if batch.get("position_ids") is not None:
+            kwargs["position_ids"] = batch["position_ids"]
+        owner = {i: r for r in range(self.dims.pp) for i in stage_indices(r, self.dims.pp, self.vp, self.schedule_name)}
+        me, sends, kept = self.dims.pp_rank, [], None
+        for index, stage in sorted(zip(self.local, self.model.stages), key=lambda pair: pair[0]):
+            if index == 0:
+                inputs = (batch["input_ids"],)
+            elif owner[index - 1] == me:  # consecutive stages on one rank (V schedules)
+                inputs = kept
+            else:
+                inputs = self._receive(owner[index - 1])
+            out = stage(*inputs, **kwargs)
+            if index < self.num_stages - 1:
+                if owner[index + 1] == me:
+                    kept = out
+                else:
+                    sends += self._send(out, owner[index + 1])
+        for work in sends:
+            work.wait()
+        return self._reduce_sums(self.sum_names(training=False))
+
+    def _peer(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank)
+
+    def _send(self, tensors: tuple[torch.Tensor, ...], pp_rank: int) -> list:
+        peer = self._peer(pp_rank)
+        header = torch.tensor([len(tensors), _DTYPES.index(tensors[0].dtype), *tensors[0].shape], device=self.device)
+        works = [dist.isend(header, peer, group=self.group)]
+        works += [dist.isend(t.contiguous(), peer, group=self.group) for t in tensors]
+        return works
+
+    def _receive(self, pp_rank: int) -> tuple[torch.Tensor, ...]:
+        peer = self._peer(pp_rank)
+        header = torch.zeros(5, dtype=torch.int64, device=self.device)
+        dist.recv(header, peer, group=self.group)
+        count, dtype, *shape = header.tolist()
+        tensors = tuple(torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for _ in range(count))
+        for t in tensors:
+            dist.recv(t, peer, group=self.group)
+        return tensors
+
+
+def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # the last stage's forward already returns the micro-batch's objective (loss sums, not means)
+    return output
+
+
+def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=None, peft=None, freeze=None,
+                            mtp_scale: float = 0.0) -> tuple[PipelinedDecoder, PipelineRunner]:
+    """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
+    materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
+    from lightning_moe.models.converters import apply_converters
+    from lightning_moe.models.decoder import Decoder
+
+    dims, options = strategy.parallel_dims, strategy.pipeline_options
+    check_pipeline_model(config, dims)
+    with torch.device("meta"):
+        decoder = Decoder(config)
+    apply_converters(decoder, fp8, peft, freeze)
+    schedule, vp = options["pp_schedule"], options["vp"]
+    specs = split_model(decoder, dims.pp * vp, options["pp_layout"])
+    local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
+    if schedule in SPLIT_BACKWARD:
+        decoder.output_layer.repeatable_backward = True
+    model = PipelinedDecoder(decoder, specs, local, mtp_scale)
+    for stage in model.stages:
+        strategy.parallelize(stage)
+    device = strategy.root_device
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        Decoder.init_weights(model, seed)
+        if peft is not None:
+            from lightning_moe.peft import reset_lora_parameters
+
+            reset_lora_parameters(model)
+    if source is not None:
+        from lightning_moe.checkpoint.load import copy_tensors_into
+
+        names = set(model.state_dict())
+        copy_tensors_into(model, ((name, t) for name, t in source.iter_native() if name in names))
+    if peft is not None and peft.adapter_path is not None:
+        raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
+    runner = PipelineRunner(model, dims, schedule, vp, specs, device)
+    if dist.get_rank() == 0:
+        print("pipeline split:\n  " + "\n  ".join(runner.split), flush=True)
+    return model, runner
+
+
+def check_pipeline_model(config, dims) -> None:
+    """What the pipeline does not split yet, refused before any model is built."""
+    if config.tie_embeddings:
+        raise ValueError(f"pp={dims.pp} with tie_embeddings=True: the output layer would need the first stage's "
+                         f"embedding weight; untie the embeddings or use pp=1")
+    if dims.tp > 1:
+        raise ValueError(f"pp={dims.pp} with tp={dims.tp} is not supported yet; use tp=1 (FSDP, EP or CP within "
+                         f"each stage)")
+    if dims.cp > 1 and config.mtp is not None and config.mtp.num_layers:
+        raise ValueError(f"pp={dims.pp} with cp={dims.cp} and MTP depths is not supported (the depths read tokens "
+                         f"of the whole row); use cp=1")
+
+
+def _shard(module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    shard = getattr(module.trainer.strategy, "shard_batch", None)
+    return shard(batch) if shard is not None else batch
+
+
+def pipelined_training_step(module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``CausalLM.training_step`` under a pipeline: keep the micro-batch; the step's last one runs the schedule,
+    whose loss sums then join the module's step sums. The schedule ran every backward: what is returned for
+    Lightning's backward is a zero unconnected to the model (Lightning refuses None on several ranks)."""
+    sums = module._pipeline.add(_shard(module, batch), module.trainer.accumulate_grad_batches)
+    if sums is not None:
+        for name, value in sums.items():
+            module._accumulate(module._step_sums, name, value)
+    return torch.zeros((), device=module._pipeline.device, requires_grad=True)
+
+
+def pipelined_eval_step(module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return module._pipeline.evaluate(_shard(module, batch))

@@ -1,0 +1,114 @@
+"""Worker side of the pipeline tests: ``CausalLM`` under ``ParallelStrategy(pp=...)`` in a real ``Trainer``,
+compared with the same module trained by one process (the reference, run by the test itself)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from parallel_cases import full, tiny_config
+
+from lightning_moe import ParallelStrategy
+from lightning_moe.data import MockDataModule
+from lightning_moe.modules.causal_lm import CausalLM
+from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
+from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.dims import SIZE_NAMES
+
+GLOBAL_ROWS, MICRO_ROWS, SEQ, STEPS = 8, 2, 16, 5
+LOSS_TOLERANCE, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-5
+
+
+class Recorder(Callback):
+    """Per optimizer step (step, loss, gradient norm), and each validation loss."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float, float]] = []
+        self.val: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        stats = pl_module.step_stats
+        if stats is not None and (not self.steps or self.steps[-1][0] != stats.step):
+            self.steps.append((stats.step, stats.loss, stats.grad_norm))
+
+    def on_validation_end(self, trainer, pl_module):
+        if "val/loss" in trainer.callback_metrics:
+            self.val.append(float(trainer.callback_metrics["val/loss"]))
+
+
+class GradProbe(CausalLM):
+    """Keeps the first step's gradients as the optimizer sees them (normalized, before clipping), whole."""
+
+    first_grads: dict | None = None
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.first_grads is None:
+            self.first_grads = {n: full(p.grad).clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | None = None,
+        ckpt_path: str | None = None, checkpoint_every: int | None = None, module_class=GradProbe,
+        strategy_class=ParallelStrategy) -> dict:
+    """Train ``model`` with ``sizes`` (a strategy's init args; None: Lightning's default strategy); returns the
+    step records, validation losses and the first step's gradients (whole, every stage's)."""
+    devices = devices or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    recorder = Recorder()
+    callbacks = [recorder]
+    if checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=checkpoint_every, save_top_k=-1))
+    strategy = strategy_class(**sizes) if sizes is not None else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, limit_val_batches=2, val_check_interval=2 * (GLOBAL_ROWS // MICRO_ROWS),
+        num_sanity_val_steps=1, gradient_clip_val=0.5, callbacks=callbacks,
+    )
+    module = module_class(model=tiny_config(model), optimizer=OptimizerConfig(lr=3e-3),
+                          scheduler=SchedulerConfig(warmup_iters=2), seed=11)
+    mesh_sizes = {k: v for k, v in (sizes or {}).items() if k in ("pp", *SIZE_NAMES)}
+    dp = ParallelDims(**mesh_sizes, world_size=devices).dp_size
+    data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, global_batch_size=GLOBAL_ROWS,
+                          vocab_size=64, num_val_samples=2 * MICRO_ROWS * dp)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    grads = module.first_grads or {}
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, grads)
+        grads = {name: grad for rank_grads in gathered for name, grad in rank_grads.items()}
+    return {"steps": recorder.steps, "val": recorder.val, "grads": grads}
+
+
+def compare(case: str, reference: dict, run: dict, grads: bool = True) -> list[str]:
+    problems = []
+    if [s for s, _, _ in run["steps"]] != [s for s, _, _ in reference["steps"]]:
+        problems.append(f"{case}: steps {[s for s, _, _ in run['steps']]} != {[s for s, _, _ in reference['steps']]}")
+    for (step, loss, norm), (_, expected, expected_norm) in zip(run["steps"], reference["steps"]):
+        if abs(loss - expected) > LOSS_TOLERANCE:
+            problems.append(f"{case}: step {step} loss {loss:.8f} != one process {expected:.8f}")
+        if abs(norm - expected_norm) > GRAD_RTOL * expected_norm:
+            problems.append(f"{case}: step {step} gradient norm {norm:.8f} != one process {expected_norm:.8f}")
+    if len(run["val"]) != len(reference["val"]) or any(
+            abs(a - b) > LOSS_TOLERANCE for a, b in zip(run["val"], reference["val"])):
+        problems.append(f"{case}: validation losses {run['val']} != one process {reference['val']}")
+    if grads:
+        if set(run["grads"]) != set(reference["grads"]):
+            problems.append(f"{case}: gradients of {sorted(set(run['grads']) ^ set(reference['grads']))} missing")
+        for name, expected in reference["grads"].items():
+            got = run["grads"].get(name)
+            if got is not None and not torch.allclose(got, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL):
+                problems.append(f"{case}: step-1 gradient of {name} differs by {(got - expected).abs().max():.3g}")
+    return problems
+
+
+def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str, dict]]) -> None:
+    """Every ``(case, model, sizes)`` trains like one process."""
+    problems = []
+    for case, model, sizes in cases:
+        problems += compare(case, references[model], fit(model, sizes, Path(directory) / case))
+    if problems:
+        raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))
