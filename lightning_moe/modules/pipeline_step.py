@@ -93,15 +93,6 @@ class PipelineRunner:
             ) from None
         self.micro_batches = micro_batches
 
-    def check_micro_batches(self, micro_batches: int) -> None:
-        """Refuse, before the first step, a micro-batch count the pipeline cannot fill."""
-        if micro_batches < self.dims.pp:
-            raise ValueError(
-                f"pp={self.dims.pp} pipeline stages need at least {self.dims.pp} micro-batches per step, got "
-                f"{micro_batches} (global_batch_size / (micro_batch_size x data-parallel size)); raise "
-                f"global_batch_size to at least {self.dims.pp} x micro_batch_size x data-parallel size"
-            )
-
     # ------------------------------------------------------------------ training
     def add(self, batch: dict[str, torch.Tensor], micro_batches: int) -> dict[str, torch.Tensor] | None:
         """Keep a micro-batch; with the step's last one, run the schedule and return the step's sums."""
@@ -118,7 +109,7 @@ class PipelineRunner:
         if len(self.pending) < micro_batches:
             return None
         if self.schedule is None:
-            self.check_micro_batches(micro_batches)
+            check_micro_batches(micro_batches, self.dims.pp)
             self._build_schedule(micro_batches)
             for stage in self.model.stages:
                 stage.metadata_pass_pending = True
@@ -193,6 +184,16 @@ class PipelineRunner:
         for t in tensors:
             dist.recv(t, peer, group=self.group)
         return tensors
+
+
+def check_micro_batches(micro_batches: int, pp: int) -> None:
+    """Refuse, before the first step, a micro-batch count the pipeline cannot fill."""
+    if micro_batches < pp:
+        raise ValueError(
+            f"pp={pp} pipeline stages need at least {pp} micro-batches per step, got {micro_batches} "
+            f"(global_batch_size / (micro_batch_size x data-parallel size)); raise global_batch_size to at least "
+            f"{pp} x micro_batch_size x data-parallel size"
+        )
 
 
 def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

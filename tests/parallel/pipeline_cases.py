@@ -105,10 +105,39 @@ def compare(case: str, reference: dict, run: dict, grads: bool = True) -> list[s
     return problems
 
 
-def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str, dict]]) -> None:
-    """Every ``(case, model, sizes)`` trains like one process."""
+class SwappedBlocks(GradProbe):
+    """A broken pipeline: the first stage runs its blocks in reverse order."""
+
+    def configure_model(self):
+        super().configure_model()
+        stage = self.model.stages[0]
+        if stage.spec.index == 0:
+            stage.layers = torch.nn.ModuleDict(reversed(list(stage.layers.items())))
+
+
+class DroppedMicroBatch(GradProbe):
+    """A broken pipeline: the last micro-batch of every step loses its labels (contributes nothing)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % self.trainer.accumulate_grad_batches == self.trainer.accumulate_grad_batches - 1:
+            batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+        return super().training_step(batch, batch_idx)
+
+
+BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBatch}
+
+
+def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str, dict]],
+                    broken: list[tuple[str, str, dict]] = ()) -> None:
+    """Every ``(case, model, sizes)`` trains like one process; every ``broken`` one (a name of :data:`BROKEN`)
+    does not (two steps are enough to see it)."""
     problems = []
     for case, model, sizes in cases:
         problems += compare(case, references[model], fit(model, sizes, Path(directory) / case))
+    for case, model, sizes in broken:
+        reference = {**references[model], "steps": references[model]["steps"][:2]}
+        run = fit(model, sizes, Path(directory) / case, steps=2, module_class=BROKEN[case])
+        if not any("loss" in problem for problem in compare(case, reference, run, grads=False)):
+            problems.append(f"{case}: a broken pipeline trained like one process (the comparison cannot fail)")
     if problems:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))

@@ -1,0 +1,123 @@
+"""Pipeline parallelism (``ParallelStrategy(pp=...)``) under a real ``Trainer``: 5 steps of 1F1B, interleaved
+1F1B and a zero-bubble schedule on a dense model and on an MoE + MTP model give the losses, gradient norms,
+validation losses and first-step gradients of one process; a pipeline with its blocks out of order or a
+micro-batch dropped does not; pipelines compose with FSDP and expert parallelism on 4 ranks. The split, the
+layout syntax and the size checks are tested without processes."""
+
+from __future__ import annotations
+
+import pipeline_cases
+import pytest
+from distributed_harness import run_distributed_test
+from parallel_cases import tiny_config
+
+from lightning_moe import ParallelStrategy
+from lightning_moe.models.decoder import Decoder
+from lightning_moe.parallel.pipeline import (
+    balanced_split,
+    check_schedule,
+    parse_layout,
+    split_model,
+    stage_indices,
+)
+
+pytestmark = pytest.mark.distributed
+
+
+def references(tmp_path, *models):
+    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{model}", devices=1) for model in models}
+
+
+def test_two_rank_pipelines_train_like_one_process(tmp_path):
+    cases = [
+        ("dense_1f1b", "llama", {"pp": 2}),
+        ("dense_interleaved", "llama", {"pp": 2, "vp": 2}),
+        ("dense_zbv", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
+        ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
+        ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
+    ]
+    broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2})]
+    run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path),
+                         references(tmp_path, "llama", "deepseek_like"), cases, broken, init_process_group=False)
+
+
+def test_four_rank_pipelines_with_fsdp_and_expert_parallelism(tmp_path):
+    cases = [
+        ("pp2_fsdp2", "llama", {"pp": 2, "dp_shard": 2}),
+        ("pp2_ep2", "deepseek_like", {"pp": 2, "ep": 2}),
+    ]
+    run_distributed_test(pipeline_cases.check_pipelines, 4, str(tmp_path),
+                         references(tmp_path, "llama", "deepseek_like"), cases, init_process_group=False)
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+def meta_decoder(name: str) -> Decoder:
+    import torch
+
+    with torch.device("meta"):
+        return Decoder(tiny_config(name))
+
+
+def test_balanced_split_minimizes_the_largest_stage():
+    import itertools
+
+    costs = [3.0, 1.0, 1.0, 1.0, 4.0, 1.0, 2.0]
+    for stages in (1, 2, 3, 4, 7):
+        split = balanced_split(costs, 0.5, 2.0, stages)
+        assert [i for group in split for i in group] == list(range(len(costs))) and all(split)
+
+        def largest(groups):
+            sums = [sum(costs[i] for i in g) for g in groups]
+            sums[0] += 0.5
+            sums[-1] += 2.0
+            return max(sums)
+
+        best = min(largest([list(range(a, b)) for a, b in zip((0, *cuts), (*cuts, len(costs)))])
+                   for cuts in itertools.combinations(range(1, len(costs)), stages - 1))
+        assert largest(split) == pytest.approx(best)
+
+
+def test_default_split_counts_embedding_and_output():
+    specs = split_model(meta_decoder("deepseek_like"), 2)
+    assert [s.blocks for s in specs] == [["0", "1", "2"], ["3"]]  # the MoE block + output + MTP weigh most
+    assert (specs[0].embedding, specs[0].output, specs[1].embedding, specs[1].output) == (True, False, False, True)
+    assert [s.blocks for s in split_model(meta_decoder("llama"), 4)] == [["0"], ["1"], ["2"], ["3"]]
+
+
+def test_layout_syntax_and_its_errors():
+    specs = parse_layout("Et*2|t|tmL", 4, 3, has_mtp=True)
+    assert [s.blocks for s in specs] == [["0", "1"], ["2"], ["3"]]
+    assert parse_layout(["E", "t*4", "L"], 4, 3, has_mtp=False)[1].blocks == ["0", "1", "2", "3"]
+    for layout, message in [
+        ("Et|t|t", "pp*vp = 4 are needed"),
+        ("Et*2|t|tL|L", "output layer and loss"),
+        ("Et|t|t|t*2L", "the model has 4"),
+        ("Et|t|t|L", "places 3 blocks"),
+        ("tE|t|t|tL", None),
+        ("t|Et|t|tL", "embedding (E) must be on the first stage"),
+        ("Et|t|t|tL", "put m on the last stage"),
+        ("Et|t|t|tx", "stage 3 has 'x'"),
+    ]:
+        if message is None:
+            parse_layout(layout, 4, 4, has_mtp=False)
+            continue
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+            parse_layout(layout, 4, 4, has_mtp=layout == "Et|t|t|tL")
+
+
+def test_sizes_that_do_not_fit_fail_with_what_fits():
+    with pytest.raises(ValueError, match="8 virtual stages but the model has 4 blocks"):
+        split_model(meta_decoder("llama"), 8)
+    with pytest.raises(ValueError, match="runs one stage per rank, but vp=2"):
+        check_schedule("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="exactly two stages on each rank"):
+        check_schedule("zbv", 2, 4)
+    with pytest.raises(ValueError, match="pp_schedule='bogus' is not one of"):
+        ParallelStrategy(pp=2, pp_schedule="bogus")
+    from lightning_moe.modules.pipeline_step import check_micro_batches
+
+    with pytest.raises(ValueError, match="pp=4 pipeline stages need at least 4 micro-batches per step, got 2"):
+        check_micro_batches(2, 4)
+    assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
+    assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
+    assert stage_indices(1, 4, 2, "zbv") == [1, 6]
