@@ -168,6 +168,7 @@ class RunCard(StepEndCallback):
         model = describe_model(pl_module)
         losses = self.losses.values()
         datamodule = trainer.datamodule
+        pipeline = getattr(pl_module, "_pipeline", None)
         finished = time.time()
         return {
             "name": self.name or " ".join(str(x) for x in (model["class"], model.get("family")) if x),
@@ -178,6 +179,8 @@ class RunCard(StepEndCallback):
             "num_nodes": trainer.num_nodes,
             "parallel_sizes": getattr(trainer.strategy, "parallel_sizes", None),
             "strategy": type(trainer.strategy).__name__,
+            # schedule, pp, vp, the split and the measured bubble fraction of a pipelined run
+            "pipeline": pipeline.summary() if pipeline is not None else None,
             **data_shape(datamodule),
             "gradient_accumulation": trainer.accumulate_grad_batches,
             "precision": str(trainer.precision),

@@ -45,7 +45,10 @@ class PipelineRunner:
         self.micro_batches = 0
         self.pending: list[dict[str, torch.Tensor]] = []
         self.shape: tuple[int, ...] | None = None
-        self.step_seconds: list[float] = []  # wall time of each step's schedule (for the bubble measurement)
+        # per step, summed over the pipeline ranks: seconds inside the stages' forward/backward, seconds of the
+        # whole schedule (the bubble is the rest)
+        self.busy_and_total: list[tuple[float, float]] = []
+        self._busy = 0.0
 
     # ------------------------------------------------------------------ keys every rank reduces
     def sum_names(self, training: bool = True) -> list[str]:
@@ -92,6 +95,19 @@ class PipelineRunner:
                 f"at least pp*vp={self.num_stages})"
             ) from None
         self.micro_batches = micro_batches
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._busy += time.perf_counter() - start
+
+        return timed
 
     # ------------------------------------------------------------------ training
     def add(self, batch: dict[str, torch.Tensor], micro_batches: int) -> dict[str, torch.Tensor] | None:
@@ -126,13 +142,37 @@ class PipelineRunner:
         last = any(self.specs[i].output for i in self.local)
         for param in self.model.parameters():
             param.grad = None
-        start = time.perf_counter()
+        self._busy, start = 0.0, time.perf_counter()
         self.schedule.step(*((whole["input_ids"],) if first else ()), target=whole["labels"] if last else None,
                            return_outputs=False, **kwargs)
-        self.step_seconds.append(time.perf_counter() - start)
+        timing = torch.tensor([self._busy, time.perf_counter() - start], dtype=torch.float64, device=self.device)
+        dist.all_reduce(timing, group=self.group)
+        self.busy_and_total.append(tuple(timing.tolist()))
         sums = self._reduce_sums(self.sum_names())
         sums["tokens"] = torch.tensor(float(whole["input_ids"].numel()), dtype=torch.float64, device=self.device)
         return sums
+
+    def bubble_fraction(self) -> float | None:
+        """Measured share of the schedule's time the ranks spent outside their stages' forward and backward
+        (waiting), over the steps after the first (which also infers shapes); None before two steps."""
+        steps = self.busy_and_total[1:]
+        if not steps:
+            return None
+        return 1.0 - sum(busy for busy, _ in steps) / sum(total for _, total in steps)
+
+    def theoretical_bubble_fraction(self) -> float | None:
+        """``(p-1)/(v*m+p-1)``: GPipe, 1F1B (v=1) and the interleaved schedules with equal stages; None for the
+        zero-bubble schedules or before the micro-batch count is known."""
+        if self.schedule_name in SPLIT_BACKWARD or not self.micro_batches:
+            return None
+        p, v, m = self.dims.pp, self.vp, self.micro_batches
+        return (p - 1) / (v * m + p - 1)
+
+    def summary(self) -> dict:
+        """What the run card records about the pipeline."""
+        return {"schedule": self.schedule_name, "pp": self.dims.pp, "vp": self.vp, "micro_batches": self.micro_batches,
+                "split": self.split, "bubble_fraction": self.bubble_fraction(),
+                "bubble_fraction_theoretical": self.theoretical_bubble_fraction()}
 
     def check_step_complete(self) -> None:
         if self.pending:
