@@ -18,7 +18,9 @@ CONFIGS = ROOT / "configs"
 HUB_CONFIGS = Path(__file__).with_name("hub_configs.yaml")
 PUBLISHED_ROWS = ROOT / "benchmarks" / "published_rows.yaml"
 # recipe folders owned by other work (their own tests cover them)
-OTHER_RECIPES = {"qwen2_5_vl/medpix.yaml", "qwen3_next/tulu3_sft.yaml"}
+OTHER_RECIPES = {"qwen2_5_vl/medpix.yaml", "qwen3_next/tulu3_sft.yaml",
+                 # image generation (DiffusionModule): tests/diffusion/test_diffusion_recipes.py
+                 "qwen_image/qwen_image_naruto_full_h100.yaml", "hunyuan_image/hunyuan_image_3_lora_h100.yaml"}
 HEADER_FIELD = re.compile(r"^# (Row|Architecture|CPU twin|Hardware): (.+)$")
 # the FP8 recipes of an "fp8" row (an "mxfp8" row runs the mxfp8 recipe)
 FP8_RECIPES = {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
