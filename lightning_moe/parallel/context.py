@@ -12,7 +12,7 @@ all-gathering its local positions once per forward. Rotary embeddings use the lo
 are already the global positions of the local tokens. The loss of each rank covers its own tokens; the
 training module normalizes over data-parallel x context-parallel ranks.
 
-Mamba-2 mixers trade tokens for heads (``parallel/mamba.py``). Multi-token prediction takes the tokens and targets ``d`` positions ahead from
+Mamba-2, Gated DeltaNet and KDA mixers trade tokens for heads (``parallel/mamba.py``). Multi-token prediction takes the tokens and targets ``d`` positions ahead from
 the whole row (:meth:`ContextParallelRow.full_row`), so they cross rank boundaries as they cross chunks.
 """
 
@@ -138,8 +138,8 @@ class ContextParallelRow:
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
-    """Make every attention block of ``model`` attend over the whole row held by ``cp_mesh``, and every Mamba-2
-    mixer scan it."""
+    """Make every attention block of ``model`` attend over the whole row held by ``cp_mesh``, and every Mamba-2,
+    Gated DeltaNet and KDA mixer scan it."""
     group = cp_mesh.get_group()
 
     def attach(module, args):
@@ -151,10 +151,10 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     if getattr(model, "mtp", None) is not None:
         blocks += [block for depth in model.mtp.depths for block in depth.layers.values()]
     for block in blocks:
-        if block.symbol in "*M":
+        if block.symbol in "*MGK":
             block.op.register_forward_pre_hook(attach)
-        if block.symbol == "M":
-            block.mamba.forward = heads_over_whole_rows(block.mamba, group, _gathered_row)
+        if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: heads over the whole row
+            block.op.forward = heads_over_whole_rows(block.op, group, _gathered_row)
 
 
 def _gathered_row(layout: SequenceLayout) -> tuple[torch.Tensor, SequenceLayout]:

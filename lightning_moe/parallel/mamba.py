@@ -4,7 +4,8 @@ independent. Each rank projects its own tokens (``in_proj``), an all-to-all trad
 then holds the whole row for ``n_groups / n`` of the B/C groups and their heads, and runs the conv, scan and
 gated norm there, on the row in its natural order. A second all-to-all trades back before ``out_proj``. This is
 Megatron-Core's all-to-all context parallelism for Mamba. The mixer's weights are whole on every rank (each
-uses its heads' slices; their gradients are summed over the group).
+uses its heads' slices; their gradients are summed over the group). The gated delta rule mixers (Gated
+DeltaNet: whole key heads with their value heads; KDA: whole heads) run the same way.
 """
 
 from __future__ import annotations
@@ -21,20 +22,33 @@ from lightning_moe.parallel.collectives import all_to_all_autograd
 RowOrder = Callable[[SequenceLayout], tuple[torch.Tensor | None, SequenceLayout]]
 
 
-def check_head_split(n_groups: int, size: int, name: str) -> None:
+def check_head_split(n_groups: int, size: int, name: str, key: str = "mamba.n_groups",
+                     unit: str = "whole B/C groups") -> None:
     if n_groups % size:
         from lightning_moe.parallel.dims import divisors
 
-        raise ValueError(f"{name}={size} does not divide mamba.n_groups={n_groups} (each {name} rank scans whole B/C "
-                         f"groups); use {name} in {divisors(n_groups)}")
+        raise ValueError(f"{name}={size} does not divide {key}={n_groups} (each {name} rank scans {unit}); "
+                         f"use {name} in {divisors(n_groups)}")
+
+
+def _take(part: torch.Tensor, channels: slice | torch.Tensor) -> torch.Tensor:
+    return part[..., channels] if isinstance(channels, slice) else part.index_select(-1, channels)
+
+
+def _width(channels: slice | torch.Tensor) -> int:
+    return channels.stop - channels.start if isinstance(channels, slice) else channels.numel()
 
 
 def heads_over_whole_rows(mixer: nn.Module, group, rows: RowOrder):
     """``mixer.forward`` for a rank of ``group`` holding some tokens of each row. ``rows(layout)`` gives the global
     index of the tokens as the ranks hold them (rank 0's, then rank 1's, ...; None when that is already the row's
-    order) and the layout of the whole row."""
+    order) and the layout of the whole row.
+
+    Any mixer of this shape works (Mamba-2, Gated DeltaNet, KDA): ``head_groups`` units of heads, ``project(x)``
+    the per-token parts it reads, ``group_channels(first, last)`` the channels of each part that units
+    ``[first, last)`` read, ``mix(parts, layout, units, channels)`` their output, then ``out_proj``."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    share = mixer.cfg.n_groups // size
+    share = mixer.head_groups // size
     mine = (rank * share, (rank + 1) * share)
 
     def trade(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -43,21 +57,20 @@ def heads_over_whole_rows(mixer: nn.Module, group, rows: RowOrder):
         rows_each = [send[0].shape[:2].numel()] * size
         return all_to_all_autograd(send.flatten(0, 2), rows_each, rows_each, group).view_as(send)
 
-    owned: list = []  # per rank: its gate (= x) channels, conv input rows and dt heads of in_proj's output
+    owned: list = []  # per rank: the channels of each projected part that its heads read
 
     def forward(x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
         held, whole = rows(layout)
         if not owned:  # once the weights are materialized, on their device
             owned.extend(mixer.group_channels(r * share, (r + 1) * share) for r in range(size))
-        gate, conv_in, dt = mixer.in_proj(x).split(mixer.in_proj_sizes, -1)
-        parts = [torch.cat([gate[..., g], conv_in.index_select(-1, c), dt[..., h]], -1) for g, c, h in owned]
+        projected = mixer.project(x)
+        parts = [torch.cat([_take(p, c) for p, c in zip(projected, channels)], -1) for channels in owned]
         received = trade(parts)  # [source rank, batch, its tokens, my channels]
         row = received.transpose(0, 1).flatten(1, 2)  # in the order the ranks hold the tokens
         if held is not None:
             row = row[:, torch.argsort(held)]
-        inner, conv, heads = owned[rank]
-        sizes = [inner.stop - inner.start, conv.numel(), heads.stop - heads.start]
-        y = mixer.mix(*row.split(sizes, -1), whole, mine, conv).to(x.dtype)
+        sizes = [_width(c) for c in owned[rank]]
+        y = mixer.mix(list(row.split(sizes, -1)), whole, mine, owned[rank]).to(x.dtype)
         if held is not None:
             y = y[:, held]
         back = trade(list(y.unflatten(1, (size, -1)).unbind(1)))  # [channel owner, batch, my tokens, its channels]

@@ -45,6 +45,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
 
     # torch's styles make new parameters that require gradients: frozen ones (LoRA's base) stay frozen
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    # torchao's FP8 styles move FP8 tensors in collectives, which gloo lacks: on gloo, torch's styles split the
+    # FP8 layers (the same numbers, collectives in high precision)
+    fp8_gather = torch.distributed.get_backend(tp_mesh.get_group()) != "gloo"
     parallelize_module(model, tp_mesh, {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(use_local_output=True),
@@ -60,7 +63,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
             for module in (depth.enorm, depth.hnorm, depth.eh_proj):
                 _replicate_over_sequence_shards(module, tp_mesh)
     for block in blocks:
-        parallelize_module(block, tp_mesh, _block_plan(block))
+        parallelize_module(block, tp_mesh, _block_plan(block, fp8_gather))
         if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: replicated weights, heads over whole rows
             _replicate_over_sequence_shards(block.op, tp_mesh)
             block.op.forward = heads_over_whole_rows(block.op, tp_mesh.get_group(), _rows_in_order)
@@ -86,55 +89,92 @@ def _rows_in_order(layout):
     return None, layout
 
 
-def _block_plan(block: nn.Module) -> dict:
+def _block_plan(block: nn.Module, fp8_gather: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     plan = {"norm": SequenceParallel(use_local_output=True)}
     if block.symbol == "*" and block.attn.cfg.type == "gqa":
         attn = block.attn
-        plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+        consumers = [attn.q_proj, attn.k_proj, attn.v_proj] if fp8_gather else []
+        plan["attn"] = prepare_input(consumers, input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
         for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"attn.{name}"] = colwise(getattr(attn, name))
-        plan["attn.o_proj"] = rowwise(attn.o_proj, output_layouts=Shard(1))
+            plan[f"attn.{name}"] = colwise(getattr(attn, name), fp8_gather)
+        plan["attn.o_proj"] = rowwise(attn.o_proj, fp8_gather, output_layouts=Shard(1))
         if block.attn.cfg.qk_norm:
             # per-head norms over local heads; the weight is shared by all heads, so its gradient is summed
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     elif block.symbol == "-":
-        plan.update(_mlp_plan("mlp", block.mlp))
+        plan.update(_mlp_plan("mlp", block.mlp, fp8_gather))
     elif block.symbol == "E" and block.moe.shared_experts is not None:
-        plan.update(_mlp_plan("moe.shared_experts", block.moe.shared_experts))
+        plan.update(_mlp_plan("moe.shared_experts", block.moe.shared_experts, fp8_gather))
     return plan
 
 
-def _mlp_plan(name: str, mlp: nn.Module) -> dict:
+def _mlp_plan(name: str, mlp: nn.Module, fp8_gather: bool) -> dict:
     """A dense MLP on the gathered sequence: gate/up split by output channels, down by input rows, its partial
     sums reduce-scattered back to sequence shards."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    plan = {name: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
+    inputs = ([mlp.gate_proj, mlp.up_proj] if mlp.activation == "swiglu" else [mlp.up_proj]) if fp8_gather else []
+    plan = {name: prepare_input(inputs, input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
     if mlp.activation == "swiglu":
-        plan[f"{name}.gate_proj"] = colwise(mlp.gate_proj)
-    plan[f"{name}.up_proj"] = colwise(mlp.up_proj)
-    plan[f"{name}.down_proj"] = rowwise(mlp.down_proj, output_layouts=Shard(1))
+        plan[f"{name}.gate_proj"] = colwise(mlp.gate_proj, fp8_gather)
+    plan[f"{name}.up_proj"] = colwise(mlp.up_proj, fp8_gather)
+    plan[f"{name}.down_proj"] = rowwise(mlp.down_proj, fp8_gather, output_layouts=Shard(1))
     return plan
 
 
-def colwise(linear: nn.Module, **layouts):
+def colwise(linear: nn.Module, fp8_collectives: bool = True, **layouts):
     """The column-wise style for ``linear`` as the converters left it: plain, LoRA-wrapped (the adapter split
-    with it, ``parallel/lora_tensor.py``)."""
+    with it, ``parallel/lora_tensor.py``), FP8/MXFP8 (``precision/fp8_tensor_parallel.py``; torchao's FP8 styles
+    only with ``fp8_collectives``)."""
     from lightning_moe.parallel.lora_tensor import LoraColwiseParallel
+    from lightning_moe.precision.fp8_tensor_parallel import float8_style
 
-    return LoraColwiseParallel(**layouts)
+    return (fp8_collectives and float8_style(linear, "colwise", **layouts)) or LoraColwiseParallel(**layouts)
 
 
-def rowwise(linear: nn.Module, **layouts):
+def rowwise(linear: nn.Module, fp8_collectives: bool = True, **layouts):
     """The row-wise style for ``linear`` (see :func:`colwise`)."""
     from lightning_moe.parallel.lora_tensor import LoraRowwiseParallel
+    from lightning_moe.precision.fp8_tensor_parallel import float8_style
 
-    return LoraRowwiseParallel(**layouts)
+    return (fp8_collectives and float8_style(linear, "rowwise", **layouts)) or LoraRowwiseParallel(**layouts)
+
+
+def prepare_input(consumers: list[nn.Module], **layouts):
+    """Gathering a module's sequence-parallel input for ``consumers``: in FP8 when they all take FP8 inputs
+    (no consumers: in high precision)."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from lightning_moe.precision.fp8_tensor_parallel import prepare_input_style
+
+    return prepare_input_style(consumers, **layouts) or PrepareModuleInput(**layouts)
+
+
+def split_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """``(name, linear, split dimension)`` of every linear the plans split (``out``: column-wise, ``in``:
+    row-wise), for checks before any is split."""
+    blocks = {f"layers.{n}": block for n, block in model.layers.named_children()}
+    if model.mtp is not None:
+        blocks.update({f"mtp.depths.{d}.layers.{n}": b for d, depth in enumerate(model.mtp.depths)
+                       for n, b in depth.layers.named_children()})
+    for prefix, block in blocks.items():
+        groups = []
+        if block.symbol == "*":
+            groups.append((f"{prefix}.attn", block.attn, ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"),
+                           ("o_proj",)))
+        if block.symbol == "-":
+            groups.append((f"{prefix}.mlp", block.mlp, ("gate_proj", "up_proj"), ("down_proj",)))
+        if block.symbol == "E" and block.moe.shared_experts is not None:
+            groups.append((f"{prefix}.moe.shared_experts", block.moe.shared_experts, ("gate_proj", "up_proj"),
+                           ("down_proj",)))
+        for owner_name, owner, columns, rows in groups:
+            for leaf in columns + rows:
+                if getattr(owner, leaf, None) is not None:
+                    yield f"{owner_name}.{leaf}", getattr(owner, leaf), "out" if leaf in columns else "in"
 
 
 def _distribute_parameters(module: nn.Module, tp_mesh, placement) -> None:
@@ -164,6 +204,13 @@ def _shard_mla(attn: nn.Module, tp_mesh) -> None:
 
     from lightning_moe.parallel.lora_tensor import is_lora_linear, shard_lora_locally
 
+    from lightning_moe.precision.fp8_tensor_parallel import is_low_precision_linear
+
+    low_precision = [name for name, m in attn.named_children() if is_low_precision_linear(m)]
+    if low_precision:
+        raise ValueError(f"tensor parallelism of FP8/MXFP8 layers in MLA attention ({', '.join(low_precision)}) is "
+                         f"not supported (its projections compute on local shards, whose scales would differ); "
+                         f"keep them in high precision with fp8.filter_fqns: ['attn']")
     if getattr(attn.o_proj, "base_layer", attn.o_proj).bias is not None:
         raise ValueError("tensor parallelism of MLA with an output bias (attention.out_bias) is not supported")
     group = tp_mesh.get_group()

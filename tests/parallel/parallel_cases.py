@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.models.config import (
     AttentionConfig,
+    LinearAttentionConfig,
     MambaConfig,
     MLPConfig,
     ModelConfig,
@@ -69,6 +70,21 @@ def tiny_config(name: str) -> ModelConfig:
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, activation="relu2", score_func="sigmoid",
                           num_shared_experts=1),
             mlp=None, init_std=0.05,
+        )
+    if name in ("gdn_hybrid", "kda_hybrid"):
+        # Qwen3-Next-like (Gated DeltaNet with 2 key heads for 4 value heads, gated attention, 1 + w norms, a gated
+        # shared expert) and Kimi-Linear-like (KDA) hybrids; chunks of 4 (GDN) pass states across chunks
+        gdn = name == "gdn_hybrid"
+        return ModelConfig(
+            family="qwen3_next" if gdn else "kimi_linear", vocab_size=64, hidden_size=32,
+            pattern="GE*-GE" if gdn else "KE*-KE",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, output_gate=gdn),
+            linear_attention=LinearAttentionConfig(num_k_heads=2 if gdn else 4, num_v_heads=4,
+                                                   head_k_dim=8 if gdn else 16, head_v_dim=6 if gdn else 16,
+                                                   chunk_size=4 if gdn else 16),
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, num_shared_experts=1,
+                          shared_intermediate_size=16, shared_expert_gate=gdn),
+            mlp=MLPConfig(32), norm_offset=gdn, init_std=0.05,
         )
     if name == "llama":
         return ModelConfig(
@@ -145,8 +161,8 @@ class Run:
     state_elements: int = 0
 
 
-def new_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def new_optimizer(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
 def train(model: torch.nn.Module, batches, dims: ParallelDims | None = None, optimizer=None, first_step: int = 0,
@@ -248,9 +264,9 @@ def compare_logits(case: str, reference: Decoder, model: Decoder, batch, dims: P
 
 
 def run_layout(case: str, model: str, sizes: dict[str, int], max_state_ratio: float | None = None,
-               micro_batches: int = 1, **options) -> list[str]:
+               micro_batches: int = 1, lr: float = 1e-2, **options) -> list[str]:
     """Train ``model`` with ``sizes`` (each rank's rows of a step in ``micro_batches`` backwards) and compare
-    with the single-process run on whole global batches (and the logits before)."""
+    with the single-process run on whole global batches (and the logits before), both with AdamW at ``lr``."""
     dims = build_dims(sizes)
     state = initial_state(model)
     batches = global_batches(tiny_config(model).vocab_size, rows=ROWS * micro_batches)
@@ -258,8 +274,8 @@ def run_layout(case: str, model: str, sizes: dict[str, int], max_state_ratio: fl
     reference.load_state_dict(state)
     parallel = parallel_model(model, dims, state, **options)
     problems = compare_logits(case, reference, parallel, global_batches(tiny_config(model).vocab_size)[0], dims)
-    expected, _ = train(reference, batches)
-    got, _ = train(parallel, batches, dims, micro_batches=micro_batches)
+    expected, _ = train(reference, batches, optimizer=new_optimizer(reference, lr))
+    got, _ = train(parallel, batches, dims, new_optimizer(parallel, lr), micro_batches=micro_batches)
     problems += compare(case, expected, got)
     if model.endswith("skewed") and any(moe.tokens_per_expert[2:].sum() for moe in reference.moe_layers()):
         problems.append(f"{case}: the selection bias did not keep experts 2 and 3 (the second ep rank) idle")

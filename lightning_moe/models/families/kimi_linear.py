@@ -203,9 +203,9 @@ def kda_maps(cfg: ModelConfig, block: int, hub_layer: str) -> list[TensorMap]:
                       convs_to_native, conv_to_hf),
             TensorMap(f"{native}.A_log", (f"{hub}.A_log",), lambda t: t[0].reshape(heads),
                       lambda t: [t.reshape(1, 1, heads, 1)])]
-    for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj",
-                 "o_norm"):
+    for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_norm"):
         maps.append(TensorMap.rename(f"{native}.{name}.weight", f"{hub}.{name}.weight"))
+    maps.append(TensorMap.rename(f"{native}.out_proj.weight", f"{hub}.o_proj.weight"))
     maps.append(TensorMap.rename(f"{native}.dt_bias", f"{hub}.dt_bias"))
     return maps
 

@@ -77,6 +77,11 @@ class GatedDeltaNet(nn.Module):
         nn.init.ones_(self.dt_bias)
         self.A_log.copy_(torch.empty_like(self.A_log, dtype=torch.float32).uniform_(0.01, 16).log())
 
+    @property
+    def head_groups(self) -> int:
+        """Units the heads split into when ranks share them out (``parallel/mamba.py``)."""
+        return self.cfg.num_k_heads
+
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What the mixer reads of each token: conv input (q | k | v), output gate z, beta logits b, decay input a."""
         return [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]

@@ -3,7 +3,7 @@
 ``q_proj``/``k_proj``/``v_proj``, a causal depthwise conv over ``q | k | v`` (the hub stores it as three convs),
 L2-normed queries and keys, a low-rank forget gate (``f_a_proj`` -> ``f_b_proj``, ``dt_bias`` per channel,
 ``A_log`` per head), ``beta = sigmoid(b_proj)``, a low-rank output gate (``g_a_proj`` -> ``g_b_proj``) through
-a sigmoid-gated RMSNorm per head, and ``o_proj``. Names are the hub's.
+a sigmoid-gated RMSNorm per head, and ``out_proj`` (the hub's ``o_proj``). Other names are the hub's.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_a_proj = nn.Linear(hidden_size, dim, bias=False)
         self.g_b_proj = nn.Linear(dim, width, bias=False)
         self.o_norm = HeadGatedRMSNorm(dim, cfg.norm_eps, "sigmoid")
-        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self.out_proj = nn.Linear(width, hidden_size, bias=False)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
@@ -56,13 +56,18 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.exp(torch.rand_like(self.dt_bias, dtype=torch.float32) * (high - low) + low).clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
 
+    @property
+    def head_groups(self) -> int:
+        """Units the heads split into when ranks share them out (``parallel/mamba.py``)."""
+        return self.cfg.num_v_heads
+
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """What the mixer reads of each token: conv input (q | k | v), forget-gate input, beta logits, output gate."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         return [qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))]
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        return self.o_proj(self.mix(self.project(x), layout).to(x.dtype))
+        return self.out_proj(self.mix(self.project(x), layout).to(x.dtype))
 
     def group_channels(self, first: int, last: int) -> list[torch.Tensor]:
         """Channels of each part of :meth:`project` that heads ``[first, last)`` read."""

@@ -145,8 +145,16 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        gate, conv_in, dt = self.in_proj(x).split(self.in_proj_sizes, -1)
-        return self.out_proj(self.mix(gate, conv_in, dt, layout).to(x.dtype))
+        return self.out_proj(self.mix(self.project(x), layout).to(x.dtype))
+
+    @property
+    def head_groups(self) -> int:
+        """Units the heads split into when ranks share them out (B/C groups, ``parallel/mamba.py``)."""
+        return self.cfg.n_groups
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``in_proj``'s output as the parts :meth:`mix` reads: gate z | conv input (x, B, C) | dt per head."""
+        return list(self.in_proj(x).split(self.in_proj_sizes, -1))
 
     @property
     def in_proj_sizes(self) -> list[int]:
@@ -168,11 +176,13 @@ class Mamba2Mixer(nn.Module):
         h0, h1 = first * heads_per_group, last * heads_per_group
         return slice(h0 * self.head_dim, h1 * self.head_dim), slice(h0, h1)
 
-    def mix(self, gate: torch.Tensor, conv_in: torch.Tensor, dt: torch.Tensor, layout: SequenceLayout,
-            groups: tuple[int, int] | None = None, conv_channels: torch.Tensor | None = None) -> torch.Tensor:
-        """Conv, scan and gated norm of the heads of B/C groups ``groups`` (default: all), whose channels of
-        ``in_proj``'s output ``gate``, ``conv_in`` (rows ``conv_channels`` of the conv, from ``group_channels``)
-        and ``dt`` hold; fp32 [batch, seq, their inner channels]."""
+    def mix(self, parts: list[torch.Tensor], layout: SequenceLayout, groups: tuple[int, int] | None = None,
+            channels: tuple | None = None) -> torch.Tensor:
+        """Conv, scan and gated norm of the heads of B/C groups ``groups`` (default: all), whose channels
+        ``channels`` (of :meth:`group_channels`) of :meth:`project`'s parts ``gate``, ``conv_in`` and ``dt`` hold;
+        fp32 [batch, seq, their inner channels]."""
+        gate, conv_in, dt = parts
+        conv_channels = None if channels is None else channels[1]
         cfg = self.cfg
         first, last = groups or (0, cfg.n_groups)
         inner, heads = self._group_slices(first, last)
