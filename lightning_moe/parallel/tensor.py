@@ -68,9 +68,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
             _replicate_over_sequence_shards(block.op, tp_mesh)
             block.op.forward = heads_over_whole_rows(block.op, tp_mesh.get_group(), _rows_in_order)
         if block.symbol == "E":
-            replicated = ["router", "fc1_latent_proj", "fc2_latent_proj"] + ([] if expert_parallel else ["experts"])
+            replicated = ["router", "fc1_latent_proj", "fc2_latent_proj", "shared_expert_gate"]
+            replicated += [] if expert_parallel else ["experts"]
             for name in replicated:
-                if hasattr(block.moe, name):
+                if getattr(block.moe, name, None) is not None:
                     _replicate_over_sequence_shards(getattr(block.moe, name), tp_mesh)
             block.moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
         if block.symbol == "*" and block.attn.cfg.type == "mla":
