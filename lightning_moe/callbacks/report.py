@@ -38,7 +38,12 @@ def find_card(path: Path) -> Path:
 
 def load_card(run_dir: Path) -> dict[str, Any]:
     path = find_card(run_dir)
-    card = json.loads(path.read_text())
+    try:
+        card = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not a run card, the JSON is truncated or corrupt ({error})") from None
+    if not isinstance(card, dict):
+        raise ValueError(f"{path}: not a run card (a JSON {type(card).__name__}, not an object)")
     if "series" not in card or "step" not in card["series"]:
         raise ValueError(f"{path}: no per-step 'series' in the run card")
     return card

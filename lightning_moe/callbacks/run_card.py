@@ -182,6 +182,8 @@ class RunCard(StepEndCallback):
             # schedule, pp, vp, the split and the measured bubble fraction of a pipelined run
             "pipeline": pipeline.summary() if pipeline is not None else None,
             **data_shape(datamodule),
+            # samples read, dropped, truncated or skipped at setup, as the data module counted them
+            "data_counts": datamodule.data_counts() if hasattr(datamodule, "data_counts") else None,
             "gradient_accumulation": trainer.accumulate_grad_batches,
             "precision": str(trainer.precision),
             "steps": trainer.global_step,

@@ -22,7 +22,10 @@ class DistributedCheckpointState(Mapping[str, Any]):
     """``mapping[name]`` -> the full (unsharded) value of state-dict entry ``name`` of a DCP checkpoint."""
 
     def __init__(self, path: str | Path, group: str = STATE_DICT) -> None:
+        from lightning_moe.checkpoint.training import check_complete
+
         self.path = Path(path)
+        check_complete(self.path, trainer_state=False)  # names a missing or truncated shard before any read
         self._reader = _reader(self.path)
         prefix = group + "."
         self.group = group

@@ -70,8 +70,9 @@ def publish(staged: str | Path, final: str | Path) -> None:
         pass
 
 
-def check_complete(path: str | Path) -> None:
-    """Raise ``FileNotFoundError``/``ValueError`` naming what is missing or truncated in checkpoint ``path``."""
+def check_complete(path: str | Path, trainer_state: bool = True) -> None:
+    """Raise ``FileNotFoundError``/``ValueError`` naming what is missing or truncated in checkpoint ``path``
+    (a DCP directory needs Lightning's ``meta.pt`` only with ``trainer_state``)."""
     path = Path(path)
     if not path.exists():
         staged = staging_path(path)
@@ -96,6 +97,8 @@ def check_complete(path: str | Path) -> None:
             raise ValueError(f"checkpoint {path} is incomplete: shard {shard} is truncated "
                              f"({shard.stat().st_size} bytes, its index needs {size})")
     extra = path / LIGHTNING_METADATA
+    if not trainer_state and not extra.exists():
+        return
     if not extra.is_file():
         raise ValueError(f"checkpoint {path} is incomplete: {extra} (trainer state) is missing")
     _check_zip(extra, "checkpoint trainer state")

@@ -102,6 +102,24 @@ class BaseDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                           num_workers=self.num_workers, drop_last=True)
 
+    # -- what the data holds ----------------------------------------------------------------------
+    def token_id_bound(self) -> tuple[int, str] | None:
+        """``(n, what)``: every token id in the data is below ``n``; ``what`` names where ``n`` comes from.
+        None when unknown."""
+        return None
+
+    def check_vocabulary(self, vocab_size: int, key: str = "model.vocab_size") -> None:
+        """Raise before the first step when token ids of the data can reach past the model's embedding (the
+        error would otherwise be an IndexError deep in the embedding, or a device-side assert)."""
+        bound = self.token_id_bound()
+        if bound is not None and bound[0] > vocab_size:
+            raise ValueError(f"{key} is {vocab_size}, but {bound[1]}: the model needs a vocabulary of at least "
+                             f"{bound[0]} (or data tokenized for it)")
+
+    def data_counts(self) -> dict[str, Any] | None:
+        """What setup read, dropped, truncated or skipped (printed at setup, recorded in the run card)."""
+        return None
+
     # -- position -------------------------------------------------------------------------------
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self.trainer

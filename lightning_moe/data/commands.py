@@ -1,7 +1,7 @@
 """``lightning-moe data ...``: offline packing, indexed-dataset building, sample files.
 
     lightning-moe data pack --dataset FILE_OR_HUB_ID --tokenizer DIR --preset tulu3 \\
-        --packed-sequence-size 4096 [--pad-seq-to-mult 8] --output DIR
+        --packed-sequence-size 4096 [--pad-seq-to-mult 8] [--role-map gpt=assistant] --output DIR [--overwrite]
     lightning-moe data index --input FILE.jsonl --tokenizer DIR --output-prefix PREFIX [--json-key text]
     lightning-moe data samples --output DIR
     lightning-moe data cache-latents --dataset FILE_OR_HUB_ID --model PIPELINE --output DIR [--resolution 1024]
@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--dataset", required=True, help="jsonl/json/parquet file, save_to_disk folder or hub id")
     pack.add_argument("--tokenizer", required=True, help="tokenizer directory or hub id")
     pack.add_argument("--output", required=True, help="output folder (packed.parquet + metadata.json)")
+    pack.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
     pack.add_argument("--split", default="train", help="split, with optional slice: train[:100000]")
     pack.add_argument("--revision", default=None, help="hub revision of the dataset")
     pack.add_argument("--tokenizer-revision", default=None, help="hub revision of the tokenizer")
@@ -40,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     pack.add_argument("--completion-column", default=None)
     pack.add_argument("--separator", default=None)
     pack.add_argument("--use-chat-template", action="store_true", default=None)
+    pack.add_argument("--role-map", action="append", default=None, metavar="FROM=TO",
+                      help="rename a chat role to system/user/assistant/tool (repeatable); other roles are errors")
     pack.add_argument("--packed-sequence-size", type=int, required=True)
     pack.add_argument("--pad-seq-to-mult", type=int, default=1)
     pack.add_argument("--packing", choices=sorted(PACKERS), default="ffd")
@@ -102,10 +105,19 @@ def _pack(args: argparse.Namespace) -> dict:
     from lightning_moe.data.sft import build_packed_sft, make_sample_format
     from lightning_moe.data.tokenizer import load_tokenizer
 
+    output = args.output
+    if os.path.exists(output) and not args.overwrite and (not os.path.isdir(output) or os.listdir(output)):
+        raise FileExistsError(f"--output {output} already exists and is not empty; pass --overwrite to replace it")
+    role_map = None
+    if args.role_map:
+        pairs = [entry.partition("=") for entry in args.role_map]
+        if any(not source or not target for source, _, target in pairs):
+            raise ValueError(f"--role-map takes FROM=TO, got {args.role_map}")
+        role_map = {source: target for source, _, target in pairs}
     fmt = make_sample_format(
         args.preset, args.format, messages_column=args.messages_column, last_turn_only=args.last_turn_only,
         prompt_template=args.prompt_template, completion_column=args.completion_column, separator=args.separator,
-        use_chat_template=args.use_chat_template,
+        use_chat_template=args.use_chat_template, role_map=role_map,
     )
     tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
     meta = build_packed_sft(

@@ -25,6 +25,9 @@ from lightning_moe.data.tokenizer import chat_tokens_and_assistant_spans
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 
 FORMATS = ("messages", "prompt_completion", "hellaswag")
+# roles chat templates know; another (ShareGPT's "human"/"gpt", "bot", ...) would be rendered as a turn that never
+# carries loss, so it is an error unless ``role_map`` names the role it stands for
+ROLES = ("system", "user", "assistant", "tool")
 HELLASWAG_COLUMNS = ("ctx", "endings", "label")
 
 
@@ -47,6 +50,7 @@ class SampleFormat:
         add_bos: prepend the tokenizer's bos token to non-chat formats (chat templates add their own).
         append_eos: append the tokenizer's eos token to the completion/ending (it carries loss).
         mask_method: ``auto``, ``generation`` or ``prefix`` (see ``tokenizer.chat_tokens_and_assistant_spans``).
+        role_map: ``messages``: other roles renamed to known ones, ``((from, to), ...)`` (``{gpt: assistant}``).
     """
 
     format: str = "messages"
@@ -59,10 +63,14 @@ class SampleFormat:
     add_bos: bool = True
     append_eos: bool = True
     mask_method: str = "auto"
+    role_map: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        for source, target in self.role_map:
+            if target not in ROLES:
+                raise ValueError(f"role_map maps {source!r} to {target!r}, not one of {', '.join(ROLES)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +101,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def tokenize_row(row: dict[str, Any], tokenizer: Any, fmt: SampleFormat) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` for one row; raises :class:`RowError` for bad rows."""
     if fmt.format == "messages":
-        messages = _check_messages(row.get(fmt.messages_column), fmt.messages_column)
+        messages = _check_messages(row.get(fmt.messages_column), fmt.messages_column, dict(fmt.role_map))
         return _chat(tokenizer, messages, fmt.last_turn_only, fmt.mask_method)
     if fmt.format == "prompt_completion":
         prompt = _render_prompt(row, fmt.prompt_template)
@@ -148,7 +156,7 @@ def _prompt_and_target(tokenizer: Any, prompt: str, target: str, fmt: SampleForm
     return p + t, [0] * len(p) + [1] * len(t)
 
 
-def _check_messages(messages: Any, column: str) -> list[dict[str, str]]:
+def _check_messages(messages: Any, column: str, role_map: dict[str, str]) -> list[dict[str, str]]:
     if messages is None:
         raise RowError(f"column '{column}' is missing or null")
     if not isinstance(messages, list) or not messages:
@@ -157,7 +165,11 @@ def _check_messages(messages: Any, column: str) -> list[dict[str, str]]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError(f"column '{column}' message {j} must have string 'role' and 'content', got {m!r:.80}")
-        out.append({"role": m["role"], "content": m["content"]})
+        role = role_map.get(m["role"], m["role"])
+        if role not in ROLES:
+            raise RowError(f"column '{column}' message {j} has role {m['role']!r}, not one of {', '.join(ROLES)} "
+                           f"(map it with role_map, e.g. {{{m['role']}: assistant}})")
+        out.append({"role": role, "content": m["content"]})
     if not any(m["role"] == "assistant" for m in out):
         raise RowError(f"column '{column}' has no assistant turn (roles: {', '.join(m['role'] for m in out)})")
     for j, m in enumerate(out):

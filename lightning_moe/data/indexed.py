@@ -131,6 +131,22 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
+    def max_token_id(self, cache_dir: str | None = None) -> int:
+        """The largest token id in the ``.bin`` file (-1 when empty): one pass over the memory map, remembered
+        in ``cache_dir`` when given (keyed by the file's path, size and modification time)."""
+        def scan() -> dict[str, np.ndarray]:
+            tokens = np.frombuffer(self._bin, dtype=self.dtype)
+            return {"max": np.array([int(tokens.max()) if tokens.size else -1], dtype=np.int64)}
+
+        if cache_dir is None:
+            return int(scan()["max"][0])
+        from lightning_moe.data.gpt_sampling import cached_arrays
+
+        bin_path = os.path.realpath(self.path_prefix + ".bin")
+        stat = os.stat(bin_path)
+        key = {"bin": bin_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        return int(cached_arrays(cache_dir, "max-token-id", key, scan)["max"][0])
+
 
 class IndexedDatasetWriter:
     """Write a Megatron indexed dataset. Use as a context manager; files appear only when complete.

@@ -49,6 +49,9 @@ class MockDataModule(BaseDataModule):
         self.num_train_samples, self.num_val_samples = num_train_samples, num_val_samples
         self.collate = Collator(pad_id=0, pad_to=seq_length)
 
+    def token_id_bound(self) -> tuple[int, str]:
+        return self.vocab_size, f"the mock data's vocab_size is {self.vocab_size}"
+
     def train_dataloader(self) -> DataLoader:
         ds = MockDataset(self.num_train_samples, self.seq_length, self.vocab_size, self.seed)
         return self._train_loader(ds, self.collate, shuffle=False)

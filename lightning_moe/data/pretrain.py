@@ -139,6 +139,22 @@ class PretrainDataModule(BaseDataModule):
             size = int(min((len(m) - 2) / w for m, w in zip(members, weights) if w > 0))
         return BlendedDataset(members, weights, size, cache_dir=self.cache_dir)
 
+    def token_id_bound(self) -> tuple[int, str] | None:
+        """From the largest token id of every indexed file the splits read (cached with ``cache_dir``)."""
+        if self.mock:
+            return self.vocab_size, f"the mock data's vocab_size is {self.vocab_size}"
+        largest, where = -1, None
+        for blend in [self.blend, *(self.blend_per_split or [])]:
+            if blend is None:
+                continue
+            for prefix in parse_blend(blend)[0]:
+                found = IndexedDataset(prefix).max_token_id(self.cache_dir)
+                if found > largest:
+                    largest, where = found, prefix
+        if where is None:
+            return None
+        return largest + 1, f"{where}.bin holds token id {largest}"
+
     def prepare_data(self) -> None:
         """With a ``cache_dir``: build the index arrays of every split once (Lightning runs this on one
         process per node, before any rank's ``setup`` memory-maps them)."""

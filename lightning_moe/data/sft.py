@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import numpy as np
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_moe.data.base import BaseDataModule
@@ -46,6 +47,8 @@ def make_sample_format(preset: str | None = None, format: str | None = None, **o
     if format is not None:
         base["format"] = format
     base.update({k: v for k, v in overrides.items() if v is not None})
+    if isinstance(base.get("role_map"), dict):  # hashable and ordered: the format is part of cache keys
+        base["role_map"] = tuple(sorted(base["role_map"].items()))
     return SampleFormat(**base)
 
 
@@ -188,13 +191,15 @@ class SFTDataModule(BaseDataModule):
         use_chat_template: ``prompt_completion``: render as a user/assistant chat.
         add_bos: prepend bos to non-chat formats.
         append_eos: append eos to the completion/ending (with loss).
+        role_map: chat roles other than system/user/assistant/tool, renamed to one of them
+            (``{human: user, gpt: assistant}``); any other role is an error naming its row.
         packed_sequence_size: tokens per packed row.
         pad_seq_to_mult: pad each sample to a multiple of this first (2 * CP with context parallel,
             CP * TP with sequence parallel); ``packed_sequence_size`` must be a multiple of it.
         packing: ``ffd`` (first-fit-decreasing), ``greedy`` (in order) or ``none`` (one sample per row, rows
             padded to the longest in the micro-batch).
         overlong: samples longer than ``packed_sequence_size``: ``drop`` (default; truncation would cut the
-            end-of-turn token) or ``truncate``. The count is logged.
+            end-of-turn token) or ``truncate``. The counts are printed at setup and kept in the run card.
         skip_invalid_rows: skip (and count) rows that fail validation instead of raising.
         packed_path: a folder written by ``lightning-moe data pack``; used instead of ``dataset``.
         val_packed_path: the same for validation.
@@ -213,7 +218,7 @@ class SFTDataModule(BaseDataModule):
         preset: str | None = None, format: str | None = None, messages_column: str | None = None,
         last_turn_only: bool | None = None, prompt_template: str | None = None, completion_column: str | None = None,
         separator: str | None = None, use_chat_template: bool | None = None, add_bos: bool | None = None,
-        append_eos: bool | None = None, packed_sequence_size: int = 4096, pad_seq_to_mult: int = 1,
+        append_eos: bool | None = None, role_map: dict[str, str] | None = None, packed_sequence_size: int = 4096, pad_seq_to_mult: int = 1,
         packing: str = "ffd", overlong: str = "drop", skip_invalid_rows: bool = False,
         packed_path: str | None = None, val_packed_path: str | None = None, cache_dir: str | None = None,
         num_proc: int | None = None, micro_batch_size: int = 1, global_batch_size: int | None = None,
@@ -229,7 +234,7 @@ class SFTDataModule(BaseDataModule):
         self.sample_format = make_sample_format(
             preset, format, messages_column=messages_column, last_turn_only=last_turn_only,
             prompt_template=prompt_template, completion_column=completion_column, separator=separator,
-            use_chat_template=use_chat_template, add_bos=add_bos, append_eos=append_eos,
+            use_chat_template=use_chat_template, add_bos=add_bos, append_eos=append_eos, role_map=role_map,
         )
         self.packed_sequence_size, self.pad_seq_to_mult = packed_sequence_size, pad_seq_to_mult
         self.packing, self.overlong, self.skip_invalid_rows = packing, overlong, skip_invalid_rows
@@ -265,9 +270,33 @@ class SFTDataModule(BaseDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
             self.train_dataset = self._open(self._packed_dir(self.dataset, self.split, self.packed_path))
+            self._report_counts()
         if self.val_dataset_packed is None:
             path = self._packed_dir(self.val_dataset, self.val_split, self.val_packed_path)
             self.val_dataset_packed = self._open(path) if path is not None else None
+
+    def token_id_bound(self) -> tuple[int, str]:
+        size = len(self.tokenizer)
+        return size, f"tokenizer {self.tokenizer_path} has {size} tokens (added tokens included)"
+
+    def data_counts(self) -> dict[str, Any] | None:
+        if self.train_dataset is None:
+            return None
+        meta = self.train_dataset.metadata
+        return {key: meta.get(key) for key in ("num_input_samples", "num_samples", "num_packs", "num_dropped_overlong",
+                                               "num_truncated", "num_skipped_invalid", "packed_sequence_size")}
+
+    def _report_counts(self) -> None:
+        counts = self.data_counts()
+        if counts is None:
+            return
+        lost = {"over-long samples dropped": counts["num_dropped_overlong"],
+                "over-long samples truncated": counts["num_truncated"],
+                "invalid rows skipped": counts["num_skipped_invalid"]}
+        message = (f"SFT data {self.packed_path or self.dataset}: {counts['num_samples']} samples in "
+                   f"{counts['num_packs']} rows of {counts['packed_sequence_size']} tokens; "
+                   + ", ".join(f"{n or 0} {what}" for what, n in lost.items()))
+        (rank_zero_warn if any(lost.values()) else rank_zero_info)(message)
 
     def _open(self, path: str | None) -> PackedDataset | None:
         if path is None:

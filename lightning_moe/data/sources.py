@@ -40,16 +40,41 @@ def load_source(source: str, split: str = "train", revision: str | None = None, 
             raise FileNotFoundError(f"dataset file {source} does not exist")
         if ext not in _FILE_BUILDERS:
             raise ValueError(f"{source}: unsupported file type {ext!r} (use .jsonl, .json or .parquet)")
+        if ext == ".jsonl":
+            check_jsonl(source)  # datasets' own errors on these name neither the file nor the line
         try:
             ds = datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split=split)
         except Exception as e:  # pyarrow/datasets messages name the row and column, not the file
-            raise ValueError(f"{os.path.basename(source)}: could not be read as {ext[1:]}: {e}") from e
+            raise ValueError(f"{source}: could not be read as {ext[1:]}: {type(e).__name__}: {e}") from e
+        if len(ds) == 0:
+            raise ValueError(f"{source}: no rows (split {split!r})")
         return Source(ds, os.path.basename(source), source_fingerprint(source, split))
     try:
         ds = datasets.load_dataset(source, name, split=split, revision=revision)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"dataset {source!r} is neither a local path nor a reachable hub dataset: {e}") from e
     return Source(ds, source, _hash(source, name, split, revision, ds._fingerprint))
+
+
+def check_jsonl(path: str) -> None:
+    """Raise ``ValueError`` naming the file and line when a JSON-lines file is empty or a line is not a JSON
+    object (one pass, a line at a time)."""
+    import json
+
+    rows = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {number}: a JSON {type(row).__name__}, not an object of columns")
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"{path}: empty, no JSON lines")
 
 
 def source_fingerprint(source: str, split: str = "train", revision: str | None = None,

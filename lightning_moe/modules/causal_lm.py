@@ -29,7 +29,13 @@ from lightning_moe.models.config import (
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.models.hf import HFModel, HFModelConfig
-from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
+from lightning_moe.modules.optim import (
+    OptimizerConfig,
+    SchedulerConfig,
+    build_adamw,
+    build_scheduler,
+    check_finite,
+)
 from lightning_moe.modules.rng import gather_rng_states, restore_rng_states
 from lightning_moe.modules.step_stats import StepStats
 from lightning_moe.peft import LoraConfig
@@ -109,6 +115,8 @@ class CausalLM(L.LightningModule):
         self.pretrained = pretrained
         self.optimizer_config = optimizer or OptimizerConfig()
         self.scheduler_config = scheduler or SchedulerConfig()
+        if mtp_loss_scale is not None:
+            check_finite("model", mtp_loss_scale=mtp_loss_scale)
         self.mtp_loss_scale = mtp_loss_scale
         self.seed = seed
         self.fp8, self.peft, self.freeze = fp8, peft, freeze
@@ -172,6 +180,13 @@ class CausalLM(L.LightningModule):
             parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
             fp8=self.fp8, peft=self.peft, freeze=self.freeze,
         )
+
+    def on_fit_start(self) -> None:
+        # token ids past the embedding end in an IndexError deep in the first step; name them now
+        vocab_size = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        data = self.trainer.datamodule
+        if vocab_size is not None and hasattr(data, "check_vocabulary"):
+            data.check_vocabulary(int(vocab_size))
 
     def _build_hf(self, strategy) -> HFModel:
         from lightning_moe.models.hf import build_hf_model, hf_converters

@@ -22,6 +22,13 @@ class OptimizerConfig:
     # None: torch's fused kernel (one pass, no per-parameter temporaries) where it exists (CPU, CUDA)
     fused: bool | None = None
 
+    def __post_init__(self) -> None:
+        check_finite("optimizer", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps,
+                     **{f"betas[{i}]": b for i, b in enumerate(self.betas)})
+        if self.lr < 0 or self.eps <= 0 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer: lr must be >= 0, eps > 0 and betas in [0, 1); got lr={self.lr}, "
+                             f"eps={self.eps}, betas={tuple(self.betas)}")
+
 
 @dataclass
 class SchedulerConfig:
@@ -34,6 +41,16 @@ class SchedulerConfig:
     lr_decay_iters: int | None = None
     min_lr: float = 0.0
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+
+    def __post_init__(self) -> None:
+        check_finite("scheduler", min_lr=self.min_lr)
+
+
+def check_finite(group: str, **values: float) -> None:
+    """Hyperparameters are finite numbers: ``lr: .inf`` in a YAML file would train to NaN weights."""
+    for key, value in values.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{group}.{key} = {value!r} is not a finite number")
 
 
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:

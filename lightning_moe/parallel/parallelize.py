@@ -65,7 +65,7 @@ def parallelize(
     if dims.tp > 1:
         from lightning_moe.parallel.tensor import apply_tensor_parallel
 
-        refuse_converted_layers(model, f"tp={dims.tp}")
+        refuse_converted_layers(model, dims.tp)
 
         apply_tensor_parallel(model, dims.mesh("tp"), expert_parallel=dims.ep > 1)
     if dims.ep > 1:
@@ -94,13 +94,12 @@ def parallelize(
     return model
 
 
-def refuse_converted_layers(model: nn.Module, what: str) -> None:
-    """Converted layers the tensor-parallel plans cannot split yet are refused here, before DTensor fails on
-    them: FP8/MXFP8 linears (LoRA linears are split with their base, ``parallel/lora_tensor.py``)."""
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if kind.startswith(("Float8", "MX")):
-            raise ValueError(
-                f"{what}: tensor parallelism of FP8/MXFP8 layers ({name}: {kind}) is not supported; "
-                f"use tp=1 with FSDP (dp_shard) and expert parallelism (ep) instead"
-            )
+def refuse_converted_layers(model: nn.Module, tp: int) -> None:
+    """Converted layers that tensor parallelism cannot split, refused before any is split: FP8/MXFP8 layers
+    whose shards would not be whole blocks of their format (LoRA and FP8 layers are otherwise split with
+    styles of their own, ``parallel/lora_tensor.py`` and ``precision/fp8_tensor_parallel.py``)."""
+    from lightning_moe.parallel.tensor import split_linears
+    from lightning_moe.precision.fp8_tensor_parallel import check_split
+
+    for name, linear, dim in split_linears(model):
+        check_split(name, getattr(linear, "base_layer", linear), dim, tp)

@@ -204,7 +204,6 @@ def _shard_mla(attn: nn.Module, tp_mesh) -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from lightning_moe.parallel.lora_tensor import is_lora_linear, shard_lora_locally
-
     from lightning_moe.precision.fp8_tensor_parallel import is_low_precision_linear
 
     low_precision = [name for name, m in attn.named_children() if is_low_precision_linear(m)]

@@ -86,6 +86,11 @@ def tiny_config(name: str) -> ModelConfig:
                           shared_intermediate_size=16, shared_expert_gate=gdn),
             mlp=MLPConfig(32), norm_offset=gdn, init_std=0.05,
         )
+    if name == "llama_wide":  # every tensor-parallel shard of every GEMM a whole number of 32-element MX blocks
+        return ModelConfig(
+            family="llama", vocab_size=64, hidden_size=64, pattern="*-*-",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=4, head_dim=16), mlp=MLPConfig(128), init_std=0.05,
+        )
     if name == "llama":
         return ModelConfig(
             family="llama", vocab_size=64, hidden_size=32, pattern="*-*-",

@@ -139,7 +139,7 @@ def test_context_parallel_split_is_load_balanced_and_complete():
     assert sum(int(s["num_label_tokens"]) for s in shards) == int((batch["labels"] != -100).sum())
 
 
-def test_tensor_parallel_refuses_converted_layers():
+def test_tensor_parallel_refuses_low_precision_shards_of_partial_blocks():
     from lightning_moe.parallel.parallelize import refuse_converted_layers
     from lightning_moe.precision import Float8Config, apply_float8
 
@@ -147,6 +147,8 @@ def test_tensor_parallel_refuses_converted_layers():
         model = Decoder(ModelConfig(vocab_size=64, hidden_size=64, pattern="*-",
                                     attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16),
                                     mlp=MLPConfig(64)))
-    apply_float8(model, Float8Config(recipe="tensorwise", emulate=True, min_dim=16))
-    with pytest.raises(ValueError, match=r"tp=2: tensor parallelism of FP8/MXFP8 layers"):
-        refuse_converted_layers(model, "tp=2")
+    apply_float8(model, Float8Config(recipe="mxfp8", emulate=True, min_dim=16))
+    refuse_converted_layers(model, 1)
+    with pytest.raises(ValueError, match=r"tp=2: layers.0.attn.k_proj \(TokenPaddedMXFP8Linear\) splits its output "
+                                         r"size 32 into shards of 16, not a multiple of 32 .*filter_fqns: \['k_proj'\]"):
+        refuse_converted_layers(model, 2)

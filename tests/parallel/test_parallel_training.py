@@ -7,7 +7,8 @@ at most 0.6x the single-process parameters + gradients + AdamW state per rank. C
 resume on another and continue the same loss curve. Gradient accumulation under HSDP (the all-reduce
 across replicas deferred to a step's last micro-batch) trains like one process on the whole global batch.
 Tensor and expert parallelism share ranks (experts split over
-dp_shard x tp); LoRA adapters split with their tensor-parallel base layers. One launch per world size runs all its layouts.
+dp_shard x tp); LoRA adapters split with their tensor-parallel base layers, and FP8 / MXFP8 layers (emulated)
+keep the one-process scales. One launch per world size runs all its layouts.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
                                    {"r": 4, "alpha": 8, "target_experts": True}), {}),
         (f"{TP}.run_lora_layout", ("tp LoRA, MLA, shared and stacked experts, MTP adapters", "deepseek_like",
                                    {"tp": 2}, {"r": 4, "alpha": 8, "target_experts": True, "include_mtp": True}), {}),
+        (f"{TP}.run_fp8_layout", ("tp FP8 tensorwise", "llama_wide", {"tp": 2}, "tensorwise"), {}),
+        (f"{TP}.run_fp8_layout", ("tp FP8 rowwise", "llama_wide", {"tp": 2}, "rowwise"), {}),
+        (f"{TP}.run_fp8_layout", ("tp MXFP8", "llama_wide", {"tp": 2}, "mxfp8"), {}),
         ("run_layout", ("cp, compiled blocks with activation checkpointing inside", "hybrid", {"cp": 2}),
          {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},

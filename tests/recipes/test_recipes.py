@@ -82,7 +82,7 @@ def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
 
 
 def check_converters_under_tp(config: ModelConfig, module_args: dict, dims: ParallelDims) -> None:
-    """The strategy's refusal of LoRA / FP8 layers under tensor parallelism, on the converted meta model."""
+    """The strategy's check of LoRA / FP8 layers under tensor parallelism, on the converted meta model."""
     from lightning_moe.models.decoder import Decoder
     from lightning_moe.parallel.parallelize import refuse_converted_layers
     from lightning_moe.peft import LoraConfig, apply_lora
@@ -94,7 +94,7 @@ def check_converters_under_tp(config: ModelConfig, module_args: dict, dims: Para
         apply_float8(model, Float8Config(**module_args["fp8"]))
     if module_args.get("peft"):
         apply_lora(model, LoraConfig(**module_args["peft"]))
-    refuse_converted_layers(model, f"tp={dims.tp}")
+    refuse_converted_layers(model, dims.tp)
 
 
 # knobs a recipe chooses for its workload, not part of the architecture
