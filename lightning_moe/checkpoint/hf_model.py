@@ -22,6 +22,7 @@ from torch import nn
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.models.hf_names import HubNames
 
 
 def _ignored(patterns) -> re.Pattern | None:
@@ -34,25 +35,15 @@ def iter_model_tensors(hf_model: nn.Module, reader: SafetensorsDir) -> Iterator[
 
     Raises on a checkpoint tensor the model has no place for (unless the model declares it ignorable, e.g.
     Qwen3-Next's ``mtp.*``)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
-    )
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
-    transforms = get_model_conversion_mapping(hf_model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    # adapters (peft LoRA) keep a wrapped layer's own weights under ``base_layer``; checkpoints use plain names
-    expected = {name.replace(".base_layer.", "."): t for name, t in hf_model.state_dict().items()}
+    names = HubNames.of(hf_model)
+    by_pattern = {pattern: c for c in names.converters for pattern in c.source_patterns}
     ignored = _ignored(getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None))
     groups: dict[str, WeightRenaming | WeightConverter] = {}
     for key in sorted(reader.keys(), key=dot_natural_key):
-        name, pattern = rename_source_key(key, renamings, converters, hf_model.base_model_prefix, expected)
-        if name not in expected:
+        name, pattern = names.rename(key)
+        if name not in names.expected:
             if ignored is not None and ignored.search(key):
                 continue
             raise ValueError(f"{reader.directory}: checkpoint tensor {key!r} has no counterpart in "
@@ -137,20 +128,19 @@ def export_hf_model(hf_model: nn.Module, out: str | Path, *, dtype: torch.dtype 
     return Path(out)
 
 
-def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, dtype: torch.dtype | None = None,
+def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, module, dtype: torch.dtype | None = None,
                   overwrite: bool = False) -> Path:
     """The model of a generic-path run (``CausalLM``/``VisionLM`` with ``model: {hf: ...}``), from its Lightning
-    checkpoint read by ``read_run_checkpoint`` -> a Hugging Face directory. LoRA runs are exported merged; their
-    checkpoints hold only adapters, the base comes from ``model.hf`` as in the run."""
+    checkpoint read by ``read_run_checkpoint`` and its module restored by ``run_module`` -> a Hugging Face
+    directory. LoRA runs are exported merged; their checkpoints hold only adapters, the base comes from
+    ``model.hf`` as in the run."""
     from lightning_moe.checkpoint.run import model_tensors
     from lightning_moe.models.hf import build_hf_model, hf_converters
 
-    hparams = checkpoint["hyper_parameters"]
-    cfg = hparams["model"]
+    cfg = module.model_config
     # the run's module class decides (a VisionLM of Qwen3.5 is not its causal-LM class); older runs: the model type
     task = checkpoint.get("hf_task") or _task_of_model_type(cfg)
-    model = build_hf_model(cfg, task=task, convert=hf_converters(peft=hparams.get("peft")),
-                           seed=hparams.get("seed", 0))
+    model = build_hf_model(cfg, task=task, convert=hf_converters(peft=module.peft), seed=module.seed)
     copy_tensors_into(model, model_tensors(checkpoint))
     return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
 

@@ -48,20 +48,6 @@ def model_tensors(checkpoint: dict[str, Any]) -> Iterator[tuple[str, torch.Tenso
         yield name, stored[key]
 
 
-def trained_hyperparameters(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The run's module arguments as it built its model: a ``model: {hf: DIR}`` of an architecture with a native
-    family trained the native decoder from ``pretrained: DIR`` (``CausalLM._route_hf``)."""
-    from lightning_moe.models.hf import HFModelConfig, native_checkpoint_dir
-
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    cfg = hparams.get("model")
-    if isinstance(cfg, HFModelConfig):
-        directory = native_checkpoint_dir(cfg)
-        if directory is not None:
-            hparams.update(model=None, pretrained=str(directory))
-    return hparams
-
-
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
     """A distributed (DCP) checkpoint directory as one dict: Lightning's ``meta.pt`` and a ``state_dict`` that
     reads each weight from the shards when asked for it (optimizer states are never read)."""
@@ -79,33 +65,33 @@ def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None =
     """The model of a ``CausalLM`` run (native, LoRA or transformers path) -> a Hugging Face directory.
     ``quantize`` and ``max_shard_bytes`` apply to native runs only (the others write as ``save_pretrained`` does)."""
     from lightning_moe.models.hf import HFModelConfig
+    from lightning_moe.modules.restore import run_module
 
     checkpoint = read_run_checkpoint(ckpt)
-    hparams = trained_hyperparameters(checkpoint)
-    native = not isinstance(hparams.get("model"), HFModelConfig) and hparams.get("peft") is None
-    if not native and quantize is not None:
+    module = run_module(checkpoint, ckpt)
+    config = module.resolved_config()  # a model.hf with a native family trained the native decoder
+    transformers_path = isinstance(config, HFModelConfig)
+    if (transformers_path or module.peft is not None) and quantize is not None:
         raise ValueError(f"{ckpt}: quantize={quantize!r} applies to native full-weight runs, not LoRA or model.hf runs")
-    if isinstance(hparams.get("model"), HFModelConfig):
+    if transformers_path:
         from lightning_moe.checkpoint.hf_model import export_hf_run
 
-        return export_hf_run(checkpoint, out, dtype=dtype, overwrite=overwrite)
-    if hparams.get("peft") is not None:
+        return export_hf_run(checkpoint, out, module=module, dtype=dtype, overwrite=overwrite)
+    if module.peft is not None:
         from lightning_moe.peft.run_export import export_lora_run
 
         return export_lora_run(ckpt, merged_out=out, dtype=dtype, overwrite=overwrite)[0]
     sharding = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    return _export_native_run(ckpt, checkpoint, hparams, out, dtype=dtype, quantize=quantize, overwrite=overwrite,
+    return _export_native_run(ckpt, checkpoint, module, out, dtype=dtype, quantize=quantize, overwrite=overwrite,
                               **sharding)
 
 
-def _export_native_run(ckpt, checkpoint: dict[str, Any], hparams: dict[str, Any], out, **options) -> Path:
+def _export_native_run(ckpt, checkpoint: dict[str, Any], module, out, **options) -> Path:
     from lightning_moe.checkpoint.convert import export_hf_tensors
     from lightning_moe.checkpoint.source import expected_tensors, open_checkpoint
 
-    source = open_checkpoint(Path(hparams["pretrained"]).expanduser()) if hparams.get("pretrained") else None
-    config = hparams.get("model") or (source.config if source is not None else None)
-    if config is None:
-        raise ValueError(f"{ckpt}: the run names neither `model` nor `pretrained`; cannot tell its architecture")
+    source = open_checkpoint(Path(module.pretrained).expanduser()) if module.pretrained else None
+    config = module.resolved_config()
     # names only: each tensor is read when the export writes it (a distributed checkpoint reads it from its shards)
     stored, keys = checkpoint["state_dict"], model_tensor_keys(checkpoint)
     missing = sorted(set(expected_tensors(config)) - set(keys))

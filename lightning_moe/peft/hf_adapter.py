@@ -7,7 +7,9 @@ module name (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``)
 ``lora_A`` is ``[E * r, in]`` (expert-major) and ``lora_B`` ``[out, r * E]`` (expert-minor).
 ``peft.PeftModel.from_pretrained`` on the transformers model then computes what the native model computes.
 
-Adapters of layers transformers does not have (MTP) cannot be written; export stops with an error naming them.
+Adapters of layers transformers does not have (the MTP layers: transformers drops them on load) have no PEFT
+counterpart; they travel next to the adapter, under their native names, in ``mtp_adapter_model.safetensors``,
+which peft ignores and :func:`load_hf_adapter` reads back, so a run can start again from the whole adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,16 @@ from torch import nn
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.families.base import TensorMap
+from lightning_moe.models.hf_names import HubNames
 from lightning_moe.models.layers.moe import GroupedExperts
 from lightning_moe.peft.experts import ExpertLora, fused_input_projection
-from lightning_moe.peft.lora import ADAPTER_NAME, lora_modules
+from lightning_moe.peft.lora import ADAPTER_NAME, is_adapter_parameter, lora_modules
 from lightning_moe.peft.merge import full_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MTP_ADAPTER_WEIGHTS = "mtp_adapter_model.safetensors"
+MTP_PREFIX = "mtp."
 KEY_PREFIX = "base_model.model."
 # our expert adapter -> the transformers experts parameter it lives on
 HF_EXPERT_PARAMETERS = {"gate_up": "gate_up_proj", "up": "up_proj", "down": "down_proj"}
@@ -71,7 +77,7 @@ def _rank_and_scaling(owners: dict[str, nn.Module]) -> tuple[int, float]:
     return settings.pop()
 
 
-def _hf_module(weight_map: dict[str, TensorMap], native_module: str) -> str:
+def _hf_module(weight_map: dict[str, TensorMap], hub_names: HubNames, native_module: str) -> str:
     m = weight_map.get(f"{native_module}.weight")
     renames = m is not None and len(m.hf) == 1 and not getattr(m, "joint", ()) and m.to_hf is _DEFAULT_TO_HF
     if not renames:
@@ -79,12 +85,13 @@ def _hf_module(weight_map: dict[str, TensorMap], native_module: str) -> str:
             f"adapter on {native_module}: the family maps its weight to the hub "
             f"{'not at all' if m is None else 'with a transformation'}, so the adapter has no PEFT counterpart"
         )
-    return m.hf[0].removesuffix(".weight")
+    return hub_names(m.hf[0]).removesuffix(".weight")
 
 
-def _hf_expert_parameter(weight_map: dict[str, TensorMap], hf_params: list[str], native: str, which: str) -> str:
+def _hf_expert_parameter(weight_map: dict[str, TensorMap], hub_names: HubNames, hf_params: list[str], native: str,
+                         which: str) -> str:
     stacked = weight_map.get(f"{native}.down_proj")
-    layer = re.match(r"^(.*?\.layers\.\d+)\.", stacked.hf[0]) if stacked is not None else None
+    layer = re.match(r"^(.*?\.layers\.\d+)\.", hub_names(stacked.hf[0])) if stacked is not None else None
     if layer is None:
         raise ValueError(f"expert adapter on {native}: the family has no per-layer hub tensors for these experts")
     suffix = f".experts.{HF_EXPERT_PARAMETERS[which]}"
@@ -109,23 +116,31 @@ def _compact(chosen: list[str], universe: list[str]) -> list[str]:
     return sorted(chosen)
 
 
-def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None) -> AdapterLayout:
-    """Match every native adapter to its tensors in the PEFT layout of the transformers model."""
+def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None, *, trained: Sequence[str] = (),
+                   modules_to_save: Sequence[str] = ()) -> AdapterLayout:
+    """Match every native adapter to its tensors in the PEFT layout of the transformers model.
+
+    ``trained``: native names of tensors other than adapters that the run changed (the router bias of
+    aux-loss-free balancing); the transformers modules holding them are saved whole, as peft's
+    ``modules_to_save``, next to ``modules_to_save`` given by name (an adapter read back)."""
     import peft
 
     owners = lora_modules(model)
     if not owners:
         raise ValueError("the model has no LoRA adapters (apply_lora was not called)")
-    mtp = sorted(n for n in owners if n.startswith("mtp."))
-    if mtp:
-        raise ValueError(f"adapters on {len(mtp)} mtp.* layers ({mtp[0]}, ...) have no counterpart in the "
-                         f"transformers model; export the merged model, or train without peft.include_mtp")
+    # MTP adapters are written beside the PEFT adapter (mtp_adapter_tensors)
+    owners = {name: module for name, module in owners.items() if not name.startswith(MTP_PREFIX)}
+    if not owners:
+        raise ValueError("every adapter is on an mtp.* layer, which the transformers model does not have; "
+                         "a PEFT adapter needs adapters on the main model")
     config = model.config
     family = family_by_name(config.family)
     hf_config = hf_config or family.to_hf_config(config)
     weight_map = {m.native: m for m in family.weight_map(config)}
     hf_model = hf_meta_model(hf_config)
+    _check_peft_accepts(owners, hf_model)
     hf_params = [n for n, _ in hf_model.named_parameters()]
+    hub_names = HubNames.of(hf_model)
     rank, scaling = _rank_and_scaling(owners)
 
     linear_to_hf: dict[str, str] = {}
@@ -133,10 +148,12 @@ def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None) ->
     for name, module in owners.items():
         if isinstance(module, GroupedExperts):
             for which in (fused_input_projection(module), "down"):
-                expert_to_hf[(name, which)] = _hf_expert_parameter(weight_map, hf_params, name, which)
+                expert_to_hf[(name, which)] = _hf_expert_parameter(weight_map, hub_names, hf_params, name, which)
         else:
-            linear_to_hf[name] = _hf_module(weight_map, name)
+            linear_to_hf[name] = _hf_module(weight_map, hub_names, name)
     module_names = [n for n, _ in hf_model.named_modules()]
+    saved = sorted(set(modules_to_save) | {_hf_owner(weight_map, hub_names, name) for name in trained
+                                           if not name.startswith(MTP_PREFIX)})
     peft_config = peft.LoraConfig(
         r=rank,
         lora_alpha=scaling * rank,
@@ -144,12 +161,14 @@ def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None) ->
         lora_dropout=0.0,
         target_modules=_compact(sorted(linear_to_hf.values()), module_names) if linear_to_hf else None,
         target_parameters=_compact(sorted(expert_to_hf.values()), hf_params) if expert_to_hf else None,
+        modules_to_save=saved or None,
         base_model_name_or_path=hf_config.get("_name_or_path") or None,
         task_type="CAUSAL_LM",
         inference_mode=True,
     )
-    # peft edits the config while injecting (transformers 5 MoE retargeting); the file keeps what was asked
-    peft.inject_adapter_in_model(copy.deepcopy(peft_config), hf_model)
+    # peft edits the config while injecting (transformers 5 MoE retargeting); the file keeps what was asked.
+    # Modules saved whole are laid out below: the injected model shows where the adapters go.
+    peft.inject_adapter_in_model(dataclasses.replace(copy.deepcopy(peft_config), modules_to_save=None), hf_model)
     placed = _peft_keys(hf_model)
 
     maps = []
@@ -166,7 +185,58 @@ def adapter_layout(model: nn.Module, hf_config: dict[str, Any] | None = None) ->
         raise ValueError(f"peft adapts {sorted(placed)[:3]} of the transformers model, which no native adapter "
                          f"matches: this base cannot hold these adapters in PEFT layout")
     _check_shapes(model, maps, hf_model)
+    for module in saved:
+        maps += _saved_module_maps(weight_map, hub_names, hf_model, module, set(owners))
     return AdapterLayout(maps, peft_config, scaling)
+
+
+def _hf_owner(weight_map: dict[str, TensorMap], hub_names: HubNames, native: str) -> str:
+    """The transformers module holding native tensor ``native`` (renamed to the hub as it is)."""
+    m = weight_map.get(native)
+    if m is None or len(m.hf) != 1 or m.to_hf is not _DEFAULT_TO_HF:
+        raise ValueError(f"the run changed {native}, which the family maps to the hub "
+                         f"{'not at all' if m is None else 'with a transformation'}: a PEFT adapter cannot hold it")
+    return hub_names(m.hf[0]).rpartition(".")[0]
+
+
+def _saved_module_maps(weight_map: dict[str, TensorMap], hub_names: HubNames, hf_model: nn.Module, module: str,
+                       adapted: set[str]) -> list[TensorMap]:
+    """Every tensor of transformers module ``module`` (peft saves a ``modules_to_save`` module whole), renamed
+    from its native tensor."""
+    wanted = {f"{module}.{name}" for name in hf_model.get_submodule(module).state_dict()}
+    maps = []
+    for m in weight_map.values():
+        if len(m.hf) == 1 and m.to_hf is _DEFAULT_TO_HF and hub_names(m.hf[0]) in wanted:
+            if m.native.rpartition(".")[0] in adapted:
+                raise ValueError(f"{m.native}: a module saved whole ({module}) cannot hold an adapter too")
+            wanted.discard(hub_names(m.hf[0]))
+            maps.append(TensorMap.rename(m.native, f"{KEY_PREFIX}{hub_names(m.hf[0])}"))
+    if wanted:
+        raise ValueError(f"{module} is saved whole in the PEFT adapter, but no native tensor renames to "
+                         f"{sorted(wanted)[:3]}")
+    return maps
+
+
+def _check_peft_accepts(owners: dict[str, nn.Module], hf_model: nn.Module) -> None:
+    """peft refuses LoRA on the Mamba mixers' out_proj of transformers' Mamba models (their fused kernels read
+    ``out_proj.weight`` directly, so an adapter there would be skipped): such adapters have no PEFT form."""
+    import peft
+    from peft.tuners.tuners_utils import _check_lora_target_modules_mamba  # peft's own rule, kept in step
+
+    probe = peft.LoraConfig(r=1)
+    refused = []
+    for name in owners:
+        try:
+            _check_lora_target_modules_mamba(probe, hf_model, name.rpartition(".")[2])
+        except ValueError:
+            refused.append(name)
+    if refused:
+        raise ValueError(
+            f"adapters on {', '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}: peft refuses LoRA on the "
+            f"Mamba mixers' out_proj of {hf_model.config.model_type} models (their fused kernels bypass it), so no "
+            f"PEFT adapter can hold them; export the merged model (--merged-out), or train with "
+            f"peft.exclude_modules: [mamba.out_proj]"
+        )
 
 
 def _take(placed: dict[str, tuple[str, str | None, str]], native: str, hf_module: str, param: str | None,
@@ -229,22 +299,62 @@ def _expert_b_map(native: str, key: str, rank: int) -> TensorMap:
 
 
 def export_hf_adapter(model: nn.Module, out: str | Path, *, hf_config: dict[str, Any] | None = None,
-                      dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
-    """Write the model's adapters as a Hugging Face PEFT adapter directory."""
+                      trained: Sequence[str] = (), dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write the model's adapters as a Hugging Face PEFT adapter directory; ``trained`` names the other tensors
+    the run changed (their transformers modules are saved whole, see :func:`adapter_layout`)."""
     from safetensors.torch import save_file
 
-    layout = adapter_layout(model, hf_config)
-    params = dict(model.named_parameters())
-    tensors = {}
-    for m in layout.maps:
-        tensor = full_tensor(params[m.native].detach())
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        tensors[m.hf[0]] = m.to_hf(tensor.cpu())[0].contiguous()
+    layout = adapter_layout(model, hf_config, trained=trained)
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+
+    def value(name: str) -> torch.Tensor:
+        tensor = full_tensor(params[name].detach())
+        return (tensor if dtype is None else tensor.to(dtype)).cpu()
+
+    tensors = {m.hf[0]: m.to_hf(value(m.native))[0].contiguous() for m in layout.maps}
+    mtp_tensors = mtp_adapter_names(model) + [name for name in trained if name.startswith(MTP_PREFIX)]
+    mtp = {name: value(name).contiguous() for name in mtp_tensors}
     with atomic_directory(out, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if mtp:
+            save_file(mtp, str(tmp / MTP_ADAPTER_WEIGHTS), metadata={"format": "pt"})
         layout.peft_config.save_pretrained(str(tmp))
     return Path(out)
+
+
+def mtp_adapter_names(model: nn.Module) -> list[str]:
+    """Native names of the adapter tensors on mtp.* layers (written to ``mtp_adapter_model.safetensors`` with the
+    other MTP tensors the run changed)."""
+    return [name for name, _ in model.named_parameters()
+            if name.startswith(MTP_PREFIX) and is_adapter_parameter(name)]
+
+
+def _read_mtp_adapters(model: nn.Module, directory: Path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    wanted, path = mtp_adapter_names(model), directory / MTP_ADAPTER_WEIGHTS
+    if not wanted:
+        if path.is_file():
+            raise ValueError(f"{path}: the adapter has MTP adapters but the model has none on mtp.* layers "
+                             f"(set peft.include_mtp: true, on a model with MTP layers)")
+        return []
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: missing {MTP_ADAPTER_WEIGHTS}; the model has {len(wanted)} adapter "
+                                f"tensors on mtp.* layers (train without peft.include_mtp to leave them out)")
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing = set(wanted) - keys
+        unknown = {k for k in keys - set(wanted) if is_adapter_parameter(k) or k not in params}
+        if missing or unknown:
+            raise ValueError(f"{path}: MTP tensors {sorted(missing | unknown)[:3]} are in only one of the file and "
+                             f"the model (other MTP targets or depths)")
+        loaded = [(name, f.get_tensor(name)) for name in sorted(keys)]
+    for name, tensor in loaded:
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the model's adapter needs "
+                             f"{tuple(params[name].shape)} (another rank or base model)")
+    return loaded
 
 
 def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dict[str, Any] | None = None) -> int:
@@ -259,7 +369,7 @@ def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dic
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory}: missing {name} (not a PEFT adapter directory)")
     saved = json.loads((directory / ADAPTER_CONFIG).read_text())
-    layout = adapter_layout(model, hf_config)
+    layout = adapter_layout(model, hf_config, modules_to_save=saved.get("modules_to_save") or ())
     _check_config(saved, layout, directory)
     with safe_open(str(directory / ADAPTER_WEIGHTS), framework="pt") as f:
         keys = set(f.keys())
@@ -273,7 +383,7 @@ def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dic
                 + (f"adapter tensor(s) {missing[:3]} are missing; " if missing else "")
                 + "the adapter was trained with other targets (check peft.target_modules / target_experts)"
             )
-        params = dict(model.named_parameters())
+        params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         loaded = []
         for key, m in expected.items():
             meta = torch.empty(f.get_slice(key).get_shape(), device="meta")
@@ -284,7 +394,7 @@ def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dic
                     f"adapter {m.native} needs {want}: the adapter belongs to a different base model or rank"
                 )
             loaded.append((m.native, m.to_native([f.get_tensor(key)])))
-    return copy_tensors_into(model, loaded)
+    return copy_tensors_into(model, loaded + _read_mtp_adapters(model, directory))
 
 
 def _check_config(saved: dict[str, Any], layout: AdapterLayout, directory: Path) -> None:

@@ -149,11 +149,35 @@ def test_dense_mlp_adapters_of_a_fused_moe_model_cannot_be_written(tmp_path):
     assert not (tmp_path / "adapter").exists()
 
 
-def test_mtp_adapters_have_no_transformers_counterpart(tmp_path):
+def test_mtp_adapters_are_written_beside_the_peft_adapter_and_read_back(tmp_path):
+    """transformers has no MTP layers: their adapters go to mtp_adapter_model.safetensors (native names), which
+    peft ignores and load_hf_adapter reads back; an adapter missing that file is refused."""
+    from safetensors import safe_open
+
     base = save_tiny("llama", tmp_path / "base")
     config = open_checkpoint(base).config
     config.mtp = MTPConfig(num_layers=1, pattern="*-")
-    model = lora_from_hf_no_weights(config, LoraConfig(r=4, include_mtp=True))
-    with pytest.raises(ValueError, match=r"adapters on \d+ mtp\.\* layers \(mtp\.depths\.0\.eh_proj, \.\.\.\) have "
-                                         r"no counterpart in the transformers model"):
-        export_hf_adapter(model, tmp_path / "adapter")
+    lora = LoraConfig(r=4, include_mtp=True)
+    model = lora_from_hf_no_weights(config, lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0.0, 0.1)
+    export_hf_adapter(model, tmp_path / "adapter")
+    mtp = sorted(n for n, _ in model.named_parameters() if n.startswith("mtp.") and ".lora_" in n)
+    assert "mtp.depths.0.eh_proj.lora_A.default.weight" in mtp
+    with safe_open(str(tmp_path / "adapter" / "mtp_adapter_model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == mtp
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), framework="pt") as f:
+        assert not any(".mtp." in k for k in f.keys())
+
+    fresh = lora_from_hf_no_weights(config, lora)
+    load_hf_adapter(fresh, tmp_path / "adapter")
+    ours = dict(model.named_parameters())
+    for name, param in fresh.named_parameters():
+        if ".lora_" in name:
+            assert torch.equal(param, ours[name]), name
+    (tmp_path / "adapter" / "mtp_adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing mtp_adapter_model\.safetensors; the model has \d+ adapter"):
+        load_hf_adapter(fresh, tmp_path / "adapter")
