@@ -63,10 +63,10 @@ def check_parallel_sizes(trainer: dict[str, Any], world_size: int) -> None:
     strategy = trainer.get("strategy")
     if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("ParallelStrategy"):
         return
-    from lightning_moe.parallel.dims import SIZE_NAMES, ParallelDims
+    from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
 
     args = strategy.get("init_args") or {}
-    ParallelDims(**{name: args[name] for name in SIZE_NAMES if name in args}, world_size=world_size)
+    ParallelDims(**{name: args[name] for name in MESH_SIZE_NAMES if name in args}, world_size=world_size)
 
 
 def render(template: str, values: dict[str, str]) -> str:

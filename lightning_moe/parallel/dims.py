@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SIZE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+MESH_SIZE_NAMES = ("pp", *SIZE_NAMES)  # every size ParallelDims takes
 
 
 def divisors(n: int) -> list[int]:

@@ -23,7 +23,7 @@ from recipe_files import (
     resolved,
 )
 
-from lightning_moe.parallel.dims import SIZE_NAMES, ParallelDims
+from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
 
 RECIPES = full_recipes()
 ROWS = load_yaml(PUBLISHED_ROWS)["rows"]
@@ -69,7 +69,7 @@ def recipe_mtp(model: dict[str, Any]) -> int | None:
 def recipe_values(cfg: dict[str, Any]) -> dict[str, Any]:
     args = cfg["trainer"]["strategy"]["init_args"]
     data, module = cfg["data"]["init_args"], cfg["model"]["init_args"]
-    dims = ParallelDims(**{name: args[name] for name in SIZE_NAMES}, world_size=gpus(cfg))
+    dims = ParallelDims(**{name: args[name] for name in MESH_SIZE_NAMES}, world_size=gpus(cfg))
     dataset, packed = recipe_dataset(cfg["data"])
     return {"gpus": gpus(cfg), "global_batch_size": data["global_batch_size"],
             "micro_batch_size": data["micro_batch_size"],

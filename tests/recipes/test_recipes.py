@@ -24,7 +24,7 @@ from recipe_files import (
 )
 
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.parallel.dims import SIZE_NAMES, ParallelDims
+from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
 
 RECIPES = full_recipes()
 HUB = load_yaml(HUB_CONFIGS)
@@ -35,7 +35,7 @@ def parallel_dims(cfg: dict) -> ParallelDims:
     strategy = cfg["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_moe.ParallelStrategy", "GPU recipes name their parallel sizes"
     args = strategy["init_args"]
-    return ParallelDims(**{name: args[name] for name in SIZE_NAMES}, world_size=gpus(cfg))
+    return ParallelDims(**{name: args[name] for name in MESH_SIZE_NAMES}, world_size=gpus(cfg))
 
 
 def data_module(cfg: dict):
@@ -78,7 +78,26 @@ def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
     data = data_module(cfg)
     dims.check_data_module(data)
     data.trainer = SimpleNamespace(strategy=SimpleNamespace(data_parallel_rank=0, data_parallel_size=dims.dp_size))
-    data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
+    gbs = data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
+    if dims.pp > 1:
+        check_pipeline(config, cfg["trainer"]["strategy"]["init_args"], dims, gbs // (data.micro_batch_size * dims.dp_size))
+
+
+def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_batches: int) -> None:
+    """What the pipeline checks before the first step: the model splits into pp x vp stages and each step has
+    enough micro-batches for the schedule."""
+    from lightning_moe.models.decoder import Decoder
+    from lightning_moe.modules.pipeline_step import check_micro_batches, check_pipeline_model
+    from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model
+
+    vp = args.get("vp", 1)
+    check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
+    check_pipeline_model(config, dims)
+    with torch.device("meta"):
+        model = Decoder(config)
+    stages = split_model(model, dims.pp * vp, args.get("pp_layout"))
+    assert len(stages) == dims.pp * vp
+    check_micro_batches(micro_batches, dims.pp)
 
 
 def check_converters_under_tp(config: ModelConfig, module_args: dict, dims: ParallelDims) -> None:
