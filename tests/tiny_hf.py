@@ -49,3 +49,20 @@ def save_tiny(family: str, path: Path, dtype: torch.dtype = torch.float32, **sav
     model = build_tiny(family).to(dtype)
     model.save_pretrained(path, **save_kwargs)
     return path
+
+
+def save_nemotron_h_twin(path: Path) -> Path:
+    """A Hugging Face Nemotron-H directory (hub layout, with its MTP depth) of the Nemotron-H pretraining twin's
+    model (configs/tiny/nemotron_h_pretrain.yaml), as the LoRA and SFT twins expect."""
+    import yaml
+
+    from lightning_moe.checkpoint.convert import export_model
+    from lightning_moe.models.config import ModelConfig
+    from lightning_moe.models.decoder import Decoder
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny" / "nemotron_h_pretrain.yaml"
+    spec = yaml.safe_load(recipe.read_text())["model"]["init_args"]["model"]
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig.from_dict(spec))
+    model.init_weights()
+    return export_model(model, path)

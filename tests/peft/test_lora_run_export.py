@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_hf import save_tiny, tiny_config
+from tiny_hf import save_nemotron_h_twin, save_tiny, tiny_config
 from trained_logits import probe_tokens
 
 from lightning_moe.checkpoint.run import read_run_checkpoint
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.slow  # three short CLI runs (about a minute on two loa
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TOL = 1e-4
-
-
-def nemotron_h_base(path: Path) -> Path:
-    """A Hugging Face Nemotron-H directory (hub layout with an MTP depth) of the Nemotron-H twins' model."""
-    from lightning_moe.checkpoint.convert import export_model
-    from lightning_moe.models.config import ModelConfig
-    from lightning_moe.models.decoder import Decoder
-
-    spec = yaml.safe_load((CONFIGS / "tiny" / "nemotron_h_pretrain.yaml").read_text())["model"]["init_args"]["model"]
-    torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_dict(spec))
-    model.init_weights()
-    return export_model(model, path)
 
 
 def qwen3_moe_base(path: Path) -> Path:
@@ -89,7 +76,7 @@ def exported(request, tmp_path_factory):
     recipe, family, overrides = CASES[request.param]
     root = tmp_path_factory.mktemp(family)
     if family == "nemotron_h":
-        base, vocab = nemotron_h_base(root / "base"), 4160
+        base, vocab = save_nemotron_h_twin(root / "base"), 4160
         overrides = [*overrides, "--model.init_args.model=null", f"--model.init_args.pretrained={base}",
                      f"--data.init_args.cache_dir={root / 'cache'}"]
     elif family == "qwen3_moe":
@@ -176,7 +163,7 @@ def test_mamba_out_proj_adapters_export_merged_only(tmp_path):
     from lightning_moe.modules.causal_lm import build_decoder
     from lightning_moe.peft import LoraConfig, export_hf_adapter
 
-    source = open_checkpoint(nemotron_h_base(tmp_path / "base"))
+    source = open_checkpoint(save_nemotron_h_twin(tmp_path / "base"))
     model = build_decoder(source.config, source=source, peft=LoraConfig(r=2))
     with pytest.raises(ValueError, match=r"adapters on layers\.0\.mamba\.out_proj, layers\.3\.mamba\.out_proj: "
                                          r"peft refuses LoRA .* peft\.exclude_modules: \[mamba\.out_proj\]"):

@@ -11,7 +11,6 @@ from unittest import mock
 
 import pytest
 import torch
-import yaml
 from recipe_files import CONFIGS, full_recipes, header, resolved
 
 TWINS = sorted({header(r)["CPU twin"].removeprefix("configs/") for r in full_recipes()})
@@ -40,16 +39,9 @@ def test_twin_has_the_structure_of_its_recipe(recipe):
 
 
 def nemotron_h_checkpoint(path: Path) -> Path:
-    """A Hugging Face Nemotron-H directory (hub layout, with its MTP depth) of the pretraining twin's model."""
-    from lightning_moe.checkpoint.convert import export_model
-    from lightning_moe.models.config import ModelConfig
-    from lightning_moe.models.decoder import Decoder
+    from tiny_hf import save_nemotron_h_twin
 
-    spec = yaml.safe_load((CONFIGS / "tiny" / "nemotron_h_pretrain.yaml").read_text())["model"]["init_args"]["model"]
-    torch.manual_seed(0)
-    model = Decoder(ModelConfig.from_dict(spec))
-    model.init_weights()
-    return export_model(model, path)
+    return save_nemotron_h_twin(path)
 
 
 def llama_checkpoint(path: Path) -> Path:
