@@ -247,6 +247,14 @@ class ParallelStrategy(ModelParallelStrategy):
             publish(staged, final)
         self.barrier("ParallelStrategy.save_checkpoint: published")
 
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """A pipelined run's optimizer states are saved keyed by parameter name (``checkpoint/pipelined.py``)."""
+        if not (self.pipeline_parallel and self._save_distributed_checkpoint):
+            return super().optimizer_state(optimizer)
+        from lightning_moe.checkpoint.pipelined import flattened_optimizer_state
+
+        return flattened_optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load after a completeness check naming any missing or truncated file; a model without
         DTensor parameters (one process, no FSDP or TP) loads too."""
@@ -256,8 +264,13 @@ class ParallelStrategy(ModelParallelStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         check_complete(path)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        from lightning_moe.checkpoint.pipelined import has_flattened_optimizer_state, load_flattened
+
+        if has_flattened_optimizer_state(path):  # written by a pipelined run
+            return load_flattened(path, self.model, optimizers, strict=self.lightning_module.strict_loading,
+                                  weights_only=weights_only)
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             return super().load_checkpoint(path, weights_only=weights_only)
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         return load_unsharded(path, self.model, optimizers, strict=self.lightning_module.strict_loading,
                               weights_only=weights_only)

@@ -19,7 +19,7 @@ from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.dims import SIZE_NAMES
 
-GLOBAL_ROWS, MICRO_ROWS, SEQ, STEPS = 8, 2, 16, 5
+GLOBAL_ROWS, MICRO_ROWS, SEQ, STEPS = 8, 2, 16, 6
 LOSS_TOLERANCE, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-5
 
 
@@ -57,6 +57,8 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
     """Train ``model`` with ``sizes`` (a strategy's init args; None: Lightning's default strategy); returns the
     step records, validation losses and the first step's gradients (whole, every stage's)."""
     devices = devices or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    mesh_sizes = {k: v for k, v in (sizes or {}).items() if k in ("pp", *SIZE_NAMES)}
+    dp = ParallelDims(**mesh_sizes, world_size=devices).dp_size
     recorder = Recorder()
     callbacks = [recorder]
     if checkpoint_every:
@@ -65,15 +67,13 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, limit_val_batches=2, val_check_interval=2 * (GLOBAL_ROWS // MICRO_ROWS),
-        num_sanity_val_steps=1, gradient_clip_val=0.5, callbacks=callbacks,
+        default_root_dir=root, val_check_interval=2 * (GLOBAL_ROWS // MICRO_ROWS) // dp, num_sanity_val_steps=0,
+        gradient_clip_val=0.5, callbacks=callbacks,
     )
     module = module_class(model=tiny_config(model), optimizer=OptimizerConfig(lr=3e-3),
                           scheduler=SchedulerConfig(warmup_iters=2), seed=11)
-    mesh_sizes = {k: v for k, v in (sizes or {}).items() if k in ("pp", *SIZE_NAMES)}
-    dp = ParallelDims(**mesh_sizes, world_size=devices).dp_size
     data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, global_batch_size=GLOBAL_ROWS,
-                          vocab_size=64, num_val_samples=2 * MICRO_ROWS * dp)
+                          vocab_size=64, num_val_samples=2 * MICRO_ROWS)  # every layout validates all 4
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     grads = module.first_grads or {}
     if dist.is_initialized():
@@ -127,11 +127,28 @@ class DroppedMicroBatch(GradProbe):
 BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBatch}
 
 
+def check_resume(directory: Path, reference: dict) -> list[str]:
+    """A ``pp=2`` run of the dense model checkpointed every 3 steps trains like one process; resumed from its
+    step-3 checkpoint with ``pp=2`` and with ``pp=1`` (2-way FSDP), steps 4-6 repeat its losses."""
+    full = fit("llama", {"pp": 2}, directory / "pp2", checkpoint_every=3)
+    problems = compare("dense_1f1b (checkpointed)", reference, full)
+    checkpoint = next((directory / "pp2" / "ckpt").glob("*step=3.ckpt"))
+    for case, sizes in (("resumed_pp2", {"pp": 2}), ("resumed_pp1_fsdp2", {"dp_shard": 2})):
+        resumed = fit("llama", sizes, directory / case, ckpt_path=str(checkpoint))
+        if [s for s, _, _ in resumed["steps"]] != [4, 5, 6]:
+            problems.append(f"{case}: resumed steps {[s for s, _, _ in resumed['steps']]}, expected [4, 5, 6]")
+        for (step, loss, norm), (_, expected, expected_norm) in zip(resumed["steps"], full["steps"][3:]):
+            if abs(loss - expected) > LOSS_TOLERANCE or abs(norm - expected_norm) > GRAD_RTOL * expected_norm:
+                problems.append(f"{case}: step {step} loss {loss:.8f} / norm {norm:.6f} != uninterrupted "
+                                f"{expected:.8f} / {expected_norm:.6f}")
+    return problems
+
+
 def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str, dict]],
-                    broken: list[tuple[str, str, dict]] = ()) -> None:
+                    broken: list[tuple[str, str, dict]] = (), resume: bool = False) -> None:
     """Every ``(case, model, sizes)`` trains like one process; every ``broken`` one (a name of :data:`BROKEN`)
-    does not (two steps are enough to see it)."""
-    problems = []
+    does not (two steps are enough to see it); with ``resume``, :func:`check_resume` too."""
+    problems = check_resume(Path(directory), references["llama"]) if resume else []
     for case, model, sizes in cases:
         problems += compare(case, references[model], fit(model, sizes, Path(directory) / case))
     for case, model, sizes in broken:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pipeline_cases
 import pytest
+import torch
 from distributed_harness import run_distributed_test
 from parallel_cases import tiny_config
 
@@ -24,21 +25,51 @@ from lightning_moe.parallel.pipeline import (
 pytestmark = pytest.mark.distributed
 
 
-def references(tmp_path, *models):
-    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{model}", devices=1) for model in models}
+def references(tmp_path, *models, checkpoint_every=None):
+    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{model}", devices=1,
+                                      checkpoint_every=checkpoint_every) for model in models}
 
 
 def test_two_rank_pipelines_train_like_one_process(tmp_path):
+    """Also: the 1F1B run checkpointed at step 3 resumes exactly with pp=2 and with pp=1 (see
+    ``pipeline_cases.check_resume``), and its step-6 checkpoint exports the Hugging Face directory of the
+    one-process run's."""
     cases = [
-        ("dense_1f1b", "llama", {"pp": 2}),
         ("dense_interleaved", "llama", {"pp": 2, "vp": 2}),
         ("dense_zbv", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
     ]
     broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2})]
-    run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path),
-                         references(tmp_path, "llama", "deepseek_like"), cases, broken, init_process_group=False)
+    expected = references(tmp_path, "llama", "deepseek_like", checkpoint_every=pipeline_cases.STEPS)
+    run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path), expected, cases, broken, True,
+                         init_process_group=False)
+    check_same_export(next((tmp_path / "pp2" / "ckpt").glob("*step=6.ckpt")),
+                      next((tmp_path / "reference_llama" / "ckpt").glob("*step=6.ckpt")), tmp_path)
+
+
+def check_same_export(pipelined, unpipelined, tmp_path):
+    """``convert export`` of a pipelined run writes what the one-process run's export writes (the same files,
+    config and tensor names, shapes and dtypes; values equal to fp32 reduction-order noise)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from lightning_moe.checkpoint.commands import main as convert_main
+
+    outs = []
+    for name, checkpoint in (("pipelined", pipelined), ("unpipelined", unpipelined)):
+        outs.append(tmp_path / f"export_{name}")
+        assert convert_main(["export", "--ckpt", str(checkpoint), "--out", str(outs[-1])]) == 0
+    files = [sorted(p.name for p in out.iterdir()) for out in outs]
+    assert files[0] == files[1], files
+    assert json.loads((outs[0] / "config.json").read_text()) == json.loads((outs[1] / "config.json").read_text())
+    for weights in [f for f in files[0] if f.endswith(".safetensors")]:
+        got, expected = load_file(outs[0] / weights), load_file(outs[1] / weights)
+        assert sorted(got) == sorted(expected)
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype and got[key].shape == tensor.shape, key
+            assert torch.allclose(got[key], tensor, rtol=1e-4, atol=1e-6), key
 
 
 def test_four_rank_pipelines_with_fsdp_and_expert_parallelism(tmp_path):
