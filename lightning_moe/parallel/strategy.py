@@ -182,6 +182,15 @@ class ParallelStrategy(ModelParallelStrategy):
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         from lightning_moe.parallel.parallelize import parallelize
 
+        if self.pipeline_parallel:
+            from lightning_moe.parallel.pipeline import StageModule
+
+            if not isinstance(model, StageModule):
+                raise ValueError(
+                    f"pp={self._sizes['pp']}: pipeline parallelism splits native decoders trained by CausalLM; "
+                    f"{type(model).__name__} (the transformers path, or a vision model) is not split into stages "
+                    f"yet: use pp=1"
+                )
         return parallelize(model, self.parallel_dims, **self._parallelize_options)
 
     def shard_batch(self, batch: dict) -> dict:

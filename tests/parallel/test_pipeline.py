@@ -149,6 +149,8 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
 
     with pytest.raises(ValueError, match="pp=4 pipeline stages need at least 4 micro-batches per step, got 2"):
         check_micro_batches(2, 4)
+    with pytest.raises(ValueError, match="Linear .* is not split into stages yet: use pp=1"):
+        ParallelStrategy(pp=2).parallelize(torch.nn.Linear(2, 2))
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
