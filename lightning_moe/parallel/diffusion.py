@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.compile import check_compile, checkpoint_and_compile
+from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -45,12 +45,12 @@ def parallelize_diffusion(
     check_diffusion_model(dims, model)
     if compile:
         check_compile(compile_backend, dims.tp)
-    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
-    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
-        from lightning_moe.parallel.fsdp import apply_fsdp
+    from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
-        apply_fsdp(
-            model, dims.mesh("fsdp"), gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-        )
+    checkpoint_compile_and_shard(
+        model, dims, activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_every=activation_checkpointing_every, compile=compile,
+        compile_backend=compile_backend, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward,
+    )
     return model

@@ -64,6 +64,24 @@ def apply_fsdp(
     model.register_forward_hook(_reshard_without_backward)
 
 
+
+def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpointing: str = "none",
+                                 activation_checkpointing_every: int = 1, compile: bool = False,
+                                 compile_backend: str = "inductor", param_dtype: torch.dtype | None = None,
+                                 reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False,
+                                 reshard_after_forward: bool = True) -> None:
+    """The steps after model parallelism for a model whose blocks are ``model.layers`` and whose experts (if any)
+    are not split: activation checkpointing and compile per block, then FSDP2/HSDP over the data-parallel mesh
+    of ``dims`` (also on one rank when a mixed-precision or offload policy is asked for)."""
+    from lightning_moe.parallel.compile import checkpoint_and_compile
+
+    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
+    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
+        apply_fsdp(
+            model, dims.mesh("fsdp"), gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+        )
+
 def _reshard_without_backward(model, args, output):
     # after a forward without autograd (validation) no backward reshards the root: left gathered, the module
     # would expose the gathered copies as its parameters, and an optimizer or checkpoint built from

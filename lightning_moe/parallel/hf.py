@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.compile import check_compile, checkpoint_and_compile
+from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
@@ -116,12 +116,12 @@ def parallelize_hf(
         apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
         # sharding replaced the tied parameter in its first module only: tie the others to the sharded one again
         model.hf.tie_weights(recompute_mapping=False)
-    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
-    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
-        from lightning_moe.parallel.fsdp import apply_fsdp
+    from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
-        apply_fsdp(
-            model, dims.mesh("fsdp"), gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-        )
+    checkpoint_compile_and_shard(
+        model, dims, activation_checkpointing=activation_checkpointing,
+        activation_checkpointing_every=activation_checkpointing_every, compile=compile,
+        compile_backend=compile_backend, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
+        reshard_after_forward=reshard_after_forward,
+    )
     return model
