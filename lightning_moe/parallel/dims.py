@@ -29,18 +29,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_moe.parallel.splits import check_head_split, divisors
+
 SIZE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_SIZE_NAMES = ("pp", *SIZE_NAMES)  # every size ParallelDims takes
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_linear_attention_split(config, pattern: str, size: int, name: str) -> None:
     """Gated DeltaNet / KDA blocks under ``name`` (cp or tp) trade tokens for whole (key) heads."""
-    from lightning_moe.parallel.mamba import check_head_split
-
     la = config.linear_attention
     if "G" in pattern:
         check_head_split(la.num_k_heads, size, name, "linear_attention.num_k_heads", "whole key heads")
@@ -132,8 +128,6 @@ class ParallelDims:
                 raise ValueError(f"tp={self.tp} with cp={self.cp}: Gated DeltaNet / KDA blocks split rows over one of "
                                  f"them at a time; use tp=1 or cp=1")
             if "M" in pattern:
-                from lightning_moe.parallel.mamba import check_head_split
-
                 check_head_split(config.mamba.n_groups, self.tp, "tp")
                 if self.cp > 1:
                     raise ValueError(f"tp={self.tp} with cp={self.cp}: Mamba-2 blocks split rows over one of them at a "
@@ -170,8 +164,6 @@ class ParallelDims:
         if self.cp > 1:
             check_linear_attention_split(config, pattern, self.cp, "cp")
             if "M" in pattern:
-                from lightning_moe.parallel.mamba import check_head_split
-
                 check_head_split(config.mamba.n_groups, self.cp, "cp")
             if has_attention and att.backend not in ("sdpa", "flex"):
                 raise ValueError(

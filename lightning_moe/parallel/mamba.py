@@ -22,15 +22,6 @@ from lightning_moe.parallel.collectives import all_to_all_autograd
 RowOrder = Callable[[SequenceLayout], tuple[torch.Tensor | None, SequenceLayout]]
 
 
-def check_head_split(n_groups: int, size: int, name: str, key: str = "mamba.n_groups",
-                     unit: str = "whole B/C groups") -> None:
-    if n_groups % size:
-        from lightning_moe.parallel.dims import divisors
-
-        raise ValueError(f"{name}={size} does not divide {key}={n_groups} (each {name} rank scans {unit}); "
-                         f"use {name} in {divisors(n_groups)}")
-
-
 def _take(part: torch.Tensor, channels: slice | torch.Tensor) -> torch.Tensor:
     return part[..., channels] if isinstance(channels, slice) else part.index_select(-1, channels)
 
