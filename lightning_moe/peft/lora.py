@@ -200,15 +200,20 @@ def _cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
 def reset_lora_parameters(model: nn.Module) -> int:
     """Initialize every adapter (after ``to_empty``) as peft does: A uniform in +-1/sqrt(fan_in), B zero.
 
-    Values are drawn whole on the CPU from the torch RNG, in parameter order, and each rank keeps its shard, so
-    the adapters are the same whatever the parallel layout. Returns the number of adapter tensors."""
+    Values are drawn whole on the CPU, each adapter from a generator seeded by a draw of the torch RNG and its name,
+    and each rank keeps its shard, so the adapters are the same whatever the parallel layout (pipeline stages,
+    which hold some of the adapters, included). Returns the number of adapter tensors."""
     from lightning_moe.checkpoint.load import copy_tensors_into
+    from lightning_moe.models.seeded_init import module_seed
 
+    seed = int(torch.randint(0, 2**62, ()))
     values = []
     for name, param in model.named_parameters():
         if ".lora_A" in name:
             bound = lora_a_bound(param.shape[-1])
-            values.append((name, torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound)))
+            generator = torch.Generator().manual_seed(module_seed(seed, name))
+            values.append((name, torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound,
+                                                                                         generator=generator)))
         elif ".lora_B" in name:
             values.append((name, torch.zeros(param.shape)))
     return copy_tensors_into(model, values)
