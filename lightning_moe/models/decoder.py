@@ -113,7 +113,7 @@ class Decoder(nn.Module):
         if config.mtp is not None and config.mtp.num_layers > 0:
             from lightning_moe.models.layers.mtp import MultiTokenPrediction
 
-            self.mtp = MultiTokenPrediction(config)
+            self.mtp = MultiTokenPrediction(config, build_blocks)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -9,6 +9,8 @@ sequence, or past the end of the row, are masked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,12 +19,14 @@ from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.sequence import SequenceLayout
 
+# the decoder's block factory (pattern, config) -> ModuleDict, handed in so that the MTP depths run the decoder's
+# own blocks without this file importing the decoder that imports it
+BuildBlocks = Callable[[str, ModelConfig], nn.ModuleDict]
+
 
 class MTPDepth(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, build_blocks: BuildBlocks) -> None:
         super().__init__()
-        from lightning_moe.models.decoder import build_blocks
-
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
         self.hnorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
@@ -49,10 +53,10 @@ def shift_left(x: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, build_blocks: BuildBlocks) -> None:
         super().__init__()
         self.config = config
-        self.depths = nn.ModuleList(MTPDepth(config) for _ in range(config.mtp.num_layers))
+        self.depths = nn.ModuleList(MTPDepth(config, build_blocks) for _ in range(config.mtp.num_layers))
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 layout: SequenceLayout, decoder: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
