@@ -19,23 +19,19 @@ from lightning_moe.parallel.activation_checkpoint import (
 )
 
 
-def checkpoint_and_compile(model: nn.Module, mode: str, every: int, compile: bool, backend: str) -> None:
-    """Activation checkpointing, then compilation, of the model's blocks (compiled blocks checkpoint inside)."""
+def checkpoint_and_compile(model: nn.Module, mode: str, every: int, compile: bool, backend: str,
+                           checkpoint_outside: bool = False) -> None:
+    """Activation checkpointing, then compilation, of the model's blocks (compiled blocks checkpoint inside, or
+    with ``checkpoint_outside`` are checkpointed around their compiled forward)."""
     if compile:
-        apply_compile(model, backend, mode, every)
+        apply_compile(model, backend, mode, every, checkpoint_outside)
     else:
         apply_activation_checkpointing(model, mode, every)
 
 
-def check_compile(backend: str, tp: int) -> None:
-    """One-line errors for a ``torch.compile`` backend that does not exist, and for compiling under tensor
-    parallelism (DTensor redistribution in the blocks' backward fails inside compiled graphs), before any model
-    is built."""
+def check_compile(backend: str) -> None:
+    """A one-line error for a ``torch.compile`` backend that does not exist, before any model is built."""
     import torch._dynamo
-
-    if tp > 1:
-        raise ValueError(f"compile=True with tp={tp}: compiled blocks under tensor parallelism are not supported; "
-                         f"use compile=False or tp=1")
 
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"compile_backend={backend!r} is not a torch.compile backend; the main ones: "
@@ -43,17 +39,23 @@ def check_compile(backend: str, tp: int) -> None:
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor", checkpoint_mode: str = "none",
-                  checkpoint_every: int = 1) -> list[str]:
+                  checkpoint_every: int = 1, checkpoint_outside: bool = False) -> list[str]:
     """Compile the blocks of ``model`` with ``backend``, with activation checkpointing ``checkpoint_mode`` (see
-    :func:`~lightning_moe.parallel.activation_checkpoint.checkpointed_blocks`) inside; returns the blocks' names."""
+    :func:`~lightning_moe.parallel.activation_checkpoint.checkpointed_blocks`) inside; returns the blocks' names.
+
+    ``checkpoint_outside``: the checkpoint wraps the compiled forward instead. Tensor-parallel blocks need it: a
+    traced checkpoint cannot save the device mesh that DTensor redistributions inside the block hold on to."""
     checkpointed = {name for name, _ in checkpointed_blocks(model, checkpoint_mode, checkpoint_every)}
     if checkpointed:
         # blocks fill the layout's mask cache on first use; replaying that in the recomputation is not needed
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     names = []
     for name, block in repeated_blocks(model):
-        forward = _with_checkpoint(block.forward) if name in checkpointed else block.forward
-        block.forward = torch.compile(forward, backend=backend)
+        if name in checkpointed and checkpoint_outside:
+            block.forward = _with_checkpoint(torch.compile(block.forward, backend=backend))
+        else:
+            forward = _with_checkpoint(block.forward) if name in checkpointed else block.forward
+            block.forward = torch.compile(forward, backend=backend)
         names.append(name)
     return names
 

@@ -44,7 +44,7 @@ def parallelize_diffusion(
     options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
     check_diffusion_model(dims, model)
     if compile:
-        check_compile(compile_backend, dims.tp)
+        check_compile(compile_backend)
     from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
     checkpoint_compile_and_shard(

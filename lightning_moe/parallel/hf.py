@@ -109,7 +109,10 @@ def parallelize_hf(
     options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
     check_hf_model(dims, model)
     if compile:
-        check_compile(compile_backend, dims.tp)
+        check_compile(compile_backend)
+        if dims.tp > 1:
+            raise ValueError(f"compile=True with tp={dims.tp}: {type(model.hf).__name__} runs through transformers, "
+                             f"whose tensor-parallel plan is not tested compiled; use compile=False, or tp=1")
     if dims.tp > 1:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 

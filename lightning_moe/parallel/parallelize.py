@@ -61,7 +61,7 @@ def parallelize(
         )
     dims.check_model(model.config)
     if compile:
-        check_compile(compile_backend, dims.tp)
+        check_compile(compile_backend)
     if dims.tp > 1:
         from lightning_moe.parallel.tensor import apply_tensor_parallel
 
@@ -76,7 +76,8 @@ def parallelize(
         from lightning_moe.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, dims.mesh("cp"))
-    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
+    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend,
+                           checkpoint_outside=dims.tp > 1)
     # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for
     # even without data-parallel ranks (a 1-rank mesh)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:

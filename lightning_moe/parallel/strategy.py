@@ -108,7 +108,7 @@ class ParallelStrategy(ModelParallelStrategy):
         check_schedule(pp_schedule, pp, vp)
         check_mode(activation_checkpointing, activation_checkpointing_every)
         if compile:
-            check_compile(compile_backend, tp)
+            check_compile(compile_backend)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}

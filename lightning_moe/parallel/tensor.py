@@ -41,7 +41,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
     """Split ``model`` (a Decoder, still on the meta device) over ``tp_mesh``; with ``expert_parallel`` the
     routed experts are left for expert parallelism to split."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     # torch's styles make new parameters that require gradients: frozen ones (LoRA's base) stay frozen
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
@@ -49,7 +49,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
     # FP8 layers (the same numbers, collectives in high precision)
     fp8_gather = torch.distributed.get_backend(tp_mesh.get_group()) != "gloo"
     parallelize_module(model, tp_mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "embed": _embedding_parallel()(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(use_local_output=True),
     })
     if model.lm_head is not None:
@@ -83,6 +83,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+def _embedding_parallel():
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class EmbeddingParallel(RowwiseParallel):
+        """The embedding split by vocabulary rows, its partial outputs reduce-scattered to sequence shards and waited
+        for: a pending collective (``AsyncCollectiveTensor``) entering a compiled block comes back from the block's
+        backward as a plain gradient, which the redistribution's backward cannot take."""
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+            return outputs.to_local() if use_local_output else outputs
+
+    return EmbeddingParallel
 
 
 def _rows_in_order(layout):

@@ -71,3 +71,17 @@ def run_fp8_layout(case: str, model: str, sizes: dict[str, int], recipe: str, **
     expected, _ = train(converted_model(model, None, fp8=fp8), batches)
     got, _ = train(converted_model(model, None, dims, fp8=fp8, **options), batches, dims)
     return compare(case, expected, got)
+
+
+def run_compiled_layout(case: str, model: str, sizes: dict[str, int], **options) -> list[str]:
+    """``run_layout`` with ``compile=True``, failing also when a compiled block fell back to the eager one (the
+    CPU kernel guard warns once and keeps every block eager, which would hide a compiled block that breaks)."""
+    import warnings
+
+    from parallel_cases import run_layout
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        problems = run_layout(case, model, sizes, compile=True, **options)
+    fallbacks = [str(w.message) for w in caught if w.category.__name__ == "KernelCheckWarning"]
+    return problems + [f"{case}: compiled blocks fell back to eager: {message}" for message in fallbacks]

@@ -8,7 +8,7 @@ resume on another and continue the same loss curve. Gradient accumulation under 
 across replicas deferred to a step's last micro-batch) trains like one process on the whole global batch.
 Tensor and expert parallelism share ranks (experts split over
 dp_shard x tp); LoRA adapters split with their tensor-parallel base layers, and FP8 / MXFP8 layers (emulated)
-keep the one-process scales. One launch per world size runs all its layouts.
+keep the one-process scales; blocks compile under tensor parallelism. One launch per world size runs all its layouts.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def test_two_rank_layouts_match_single_process(tmp_path):
         (f"{TP}.run_fp8_layout", ("tp FP8 tensorwise", "llama_wide", {"tp": 2}, "tensorwise"), {}),
         (f"{TP}.run_fp8_layout", ("tp FP8 rowwise", "llama_wide", {"tp": 2}, "rowwise"), {}),
         (f"{TP}.run_fp8_layout", ("tp MXFP8", "llama_wide", {"tp": 2}, "mxfp8"), {}),
+        (f"{TP}.run_compiled_layout", ("tp+sp, compiled blocks with activation checkpointing inside, MoE",
+                                       "qwen3_moe", {"tp": 2}), {"compile_backend": "aot_eager",
+                                                                 "activation_checkpointing": "full"}),
         ("run_layout", ("cp, compiled blocks with activation checkpointing inside", "hybrid", {"cp": 2}),
          {"compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("run_reshard", ("saved with fsdp, resumed with tp", "qwen3_moe", {"dp_shard": 2}, {"tp": 2},
