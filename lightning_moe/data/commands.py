@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                                                  "VAE and text encoder into a memory-mapped latent cache")
     cache.add_argument("--dataset", required=True, help="parquet/jsonl/json file, save_to_disk folder or hub id")
     cache.add_argument("--model", required=True, help="diffusers pipeline folder or hub id (Qwen/Qwen-Image)")
+    cache.add_argument("--family", default="auto", help="the pipeline's family (auto: from model_index.json)")
     cache.add_argument("--output", required=True, help="cache folder (TextToImageDataModule cache_dir)")
     cache.add_argument("--resolution", type=int, default=1024, help="square side of the encoded images")
     cache.add_argument("--split", default="train")
@@ -147,7 +148,7 @@ def _cache_latents(args: argparse.Namespace) -> dict:
     return build_latent_cache(
         args.dataset, args.model, args.output, resolution=args.resolution, split=args.split, revision=args.revision,
         image_column=args.image_column, caption_column=args.caption_column, bad_rows=args.bad_rows,
-        batch_size=args.batch_size, device=args.device, encoder_dtype=args.encoder_dtype,
+        batch_size=args.batch_size, device=args.device, family=args.family, encoder_dtype=args.encoder_dtype,
         max_sequence_length=args.max_sequence_length, overwrite=args.overwrite,
     )
 

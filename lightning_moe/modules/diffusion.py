@@ -123,7 +123,7 @@ class DiffusionModule(L.LightningModule):
             meta = data.cache_metadata
         if meta is not None:
             config = family.transformer_class.load_config(family.transformer_dir)
-            family.check_inputs(_Namespace(config), meta["latent_shape"][0], meta["text_dim"],
+            family.check_inputs(config, meta["latent_shape"][0], meta["text_dim"],
                                 f"latent cache {data.cache_dir}")
 
     def configure_model(self) -> None:
@@ -284,13 +284,6 @@ class DiffusionModule(L.LightningModule):
     def on_fit_end(self) -> None:
         if self.export_dir is not None:
             self.export(self.export_dir)
-
-
-class _Namespace:
-    """Attribute access to a diffusers config dict (what ``load_config`` returns)."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.__dict__.update(values)
 
 
 torch.serialization.add_safe_globals([DiffusionModelConfig, FlowMatchingConfig])

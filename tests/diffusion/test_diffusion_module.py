@@ -94,9 +94,19 @@ def test_lora_adapters_load_in_diffusers_and_reproduce_the_prediction(tiny_pipel
     assert not torch.allclose(base, trained, atol=1e-4)  # the adapters moved away from the base model
 
 
-def test_hunyuan_image_3_and_model_parallel_layouts_are_refused(tiny_pipeline):
+def test_hunyuan_image_3_mismatched_caches_and_model_parallel_layouts_are_refused(tiny_pipeline, tmp_path, capsys):
+    from lightning_moe.data.commands import main
+    from lightning_moe.models.diffusion.qwen_image import QwenImageFamily
+
     with pytest.raises(NotImplementedError, match=r"HunyuanImage-3.0 .* no implementation in the installed diffusers"):
         DiffusionModelConfig(path="tencent/HunyuanImage-3.0", family="hunyuan_image_3")
+    assert main(["cache-latents", "--dataset", str(SAMPLE), "--model", "tencent/HunyuanImage-3.0", "--family",
+                 "hunyuan_image_3", "--output", str(tmp_path / "cache")]) == 1
+    assert "no implementation in the installed diffusers" in capsys.readouterr().err
+    # Qwen-Image's own sizes (16 latent channels, 3584-wide text states) against a cache of the tiny pipeline
+    with pytest.raises(ValueError, match=r"cache X: latents with 4 channels and text states of width 32, but the "
+                                         r"transformer takes 16 latent channels .* encoded for another model"):
+        QwenImageFamily.check_inputs({"in_channels": 64, "joint_attention_dim": 3584}, 4, 32, "cache X")
     from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
     from lightning_moe.parallel.diffusion import check_diffusion_model
     from lightning_moe.parallel.dims import ParallelDims

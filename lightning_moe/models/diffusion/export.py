@@ -10,6 +10,7 @@ at once, so no rank but the writer holds the whole model.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +24,14 @@ from lightning_moe.peft.merge import full_tensor
 
 def _is_writer() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _readable(folder: Path) -> None:
+    """Files as the umask allows (the writers' temporary files are owner-only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
 
 
 def _barrier() -> None:
@@ -40,22 +49,26 @@ def export_transformer(model: nn.Module, out: str | Path, *, dtype: torch.dtype 
 
     transformer = model.transformer
     writer = _is_writer()
+
+    def stored(tensor: torch.Tensor) -> torch.Tensor:  # in the export dtype as soon as it is on the host
+        tensor = tensor.detach().cpu()
+        return (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
+
     if lora_modules(transformer):
-        state = merged_state_dict(transformer)
+        state = {name: stored(t) for name, t in merged_state_dict(transformer).items()} if writer else None
     else:
         state = {}
         for name, tensor in transformer.state_dict().items():
             full = full_tensor(tensor)  # collective
             if writer:
-                state[name] = full.detach().cpu()
+                state[name] = stored(full)
     result = None
     if writer:
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-                 for k, v in state.items()}
         with atomic_directory(out, overwrite=overwrite) as tmp:
             transformer.save_config(tmp)
             save_torch_state_dict(state, tmp, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
                                   max_shard_size=max_shard_size)
+            _readable(tmp)
         result = Path(out)
     _barrier()
     return result
@@ -84,6 +97,7 @@ def export_lora(model: nn.Module, out: str | Path, lora, *, overwrite: bool = Fa
         with atomic_directory(out, overwrite=overwrite) as tmp:
             model.family.pipeline_class.save_lora_weights(tmp, transformer_lora_layers=layers,
                                                           transformer_lora_adapter_metadata=metadata)
+            _readable(tmp)
         result = Path(out)
     _barrier()
     return result

@@ -114,9 +114,9 @@ class QwenImageFamily:
                            return_dict=False)[0]
 
     @staticmethod
-    def check_inputs(transformer_config: Any, latent_channels: int, text_dim: int, where: str) -> None:
-        """Latents and text states from ``where`` (a cache, the VAE) must fit the transformer."""
-        expected = (transformer_config.in_channels // 4, transformer_config.joint_attention_dim)
+    def check_inputs(transformer_config: dict[str, Any], latent_channels: int, text_dim: int, where: str) -> None:
+        """Latents and text states from ``where`` (a cache, the VAE) must fit the transformer (its config)."""
+        expected = (transformer_config["in_channels"] // 4, transformer_config["joint_attention_dim"])
         if (latent_channels, text_dim) != expected:
             raise ValueError(f"{where}: latents with {latent_channels} channels and text states of width {text_dim}, "
                              f"but the transformer takes {expected[0]} latent channels (in_channels / 4) and "
