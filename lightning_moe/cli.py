@@ -6,6 +6,7 @@
     lightning-moe convert export-lora --ckpt RUN.ckpt [--adapter-out DIR] [--merged-out DIR]
     lightning-moe convert verify --reference DIR --candidate DIR
     lightning-moe data pack|index ...
+    lightning-moe estimate --config recipe.yaml [--device-memory GIB] [--trainer.devices 8 ...]
     lightning-moe report RUN_DIR
     lightning-moe slurm --config recipe.yaml [--nodes N --gpus-per-node G ...] [--dry-run | --submit]
 """
@@ -20,6 +21,7 @@ TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 TOOLS = {
     "convert": "lightning_moe.checkpoint.commands",
     "data": "lightning_moe.data.commands",
+    "estimate": "lightning_moe.estimate.command",
     "report": "lightning_moe.callbacks.report",
     "slurm": "lightning_moe.slurm",
 }
