@@ -167,15 +167,18 @@ def mamba_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> Forw
 def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
     """The chunked gated delta rule of each sequence, per value head (queries and keys serve every value head
     of their group): per chunk of ``c`` tokens the two decayed products ``k k^T`` and ``q k^T`` (``2 c^2 d_k``
-    each), the unit-triangular solve for ``[v | k]`` (``c^2 (d_k + d_v)``: half a square matmul), the intra-chunk
-    output (``2 c^2 d_v``); between chunks the state written, and read twice (``3 x 2 c d_k d_v``), once per chunk
-    after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``."""
+    each), the unit-triangular solve for ``[v | k]`` (its block inverses and substitution, ``solve_flops``), the
+    intra-chunk output (``2 c^2 d_v``); between chunks the state written, and read twice (``3 x 2 c d_k d_v``),
+    once per chunk after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``."""
+    from lightning_moe.models.layers.delta_rule import solve_flops
+
     la = cfg.linear_attention
     dk, dv, chunk = la.head_k_dim, la.head_v_dim, la.chunk_size
     full, rest = seqs.lengths // chunk, seqs.lengths % chunk
     square = int((full * chunk**2 + rest**2).sum())
+    solves = int(full.sum()) * solve_flops(chunk, dk + dv) + sum(solve_flops(r, dk + dv) for r in rest.tolist() if r)
     carried = int(((full + (rest > 0) - 1).clamp(min=0) * chunk).sum())  # tokens of chunks that read a state
-    per_head = square * (2 * 2 * dk + (dk + dv) + 2 * dv) + 3 * 2.0 * carried * dk * dv
+    per_head = square * (2 * 2 * dk + 2 * dv) + solves + 3 * 2.0 * carried * dk * dv
     return la.num_v_heads * per_head
 
 

@@ -9,7 +9,7 @@ Per head the state ``S`` [key_dim, value_dim] evolves token by token as
 The chunked (WY / UT-transform) form of the DeltaNet papers computes a chunk of ``C`` tokens at once: the
 updates inside a chunk are a unit lower-triangular system ``(I + A) U = [beta v | beta k exp(G)]`` with
 ``A_ij = beta_i (k_i . k_j) exp(G_i - G_j)`` (``G`` the cumulative log-decay in the chunk), solved once per
-chunk, after which the state passes from chunk to chunk with three matmuls. Every exponent is a decay between
+chunk (by blocks, see :func:`solve_unit_lower`), after which the state passes from chunk to chunk with three matmuls. Every exponent is a decay between
 two positions of the chunk in causal order, so nothing overflows; per-channel decays (KDA) factor each product
 through the start of a sub-chunk of ``SUB_CHUNK`` tokens, and only the pairs inside one sub-chunk are formed
 channel by channel.
@@ -23,10 +23,13 @@ optional dependency, imported only when asked for.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 SUB_CHUNK = 16
+SOLVE_BLOCK = 16
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -85,6 +88,53 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, causal:
     return full.masked_fill(~causal, 0.0)
 
 
+def doublings(size: int) -> int:
+    """Squarings in :func:`_unit_lower_inverse` of a ``size`` x ``size`` block."""
+    return max(math.ceil(math.log2(size)) - 1, 0) if size > 1 else 0
+
+
+def solve_block(chunk: int) -> int:
+    """Rows per diagonal block of :func:`solve_unit_lower` for a chunk of ``chunk`` tokens."""
+    return SOLVE_BLOCK if chunk % SOLVE_BLOCK == 0 else chunk
+
+
+def solve_flops(size: int, width: int) -> int:
+    """Matmul FLOPs of :func:`solve_unit_lower` for a ``size`` x ``size`` system with ``width`` right-hand sides."""
+    block = solve_block(size)
+    blocks = size // block
+    return blocks * doublings(block) * 4 * block**3 + 2 * block * block * width * (blocks + blocks * (blocks - 1) // 2)
+
+
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower-triangular ``A`` [..., b, b]: ``A`` is nilpotent, so the inverse is
+    ``sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...``, ``ceil(log2 b)`` factors, all batched matmuls."""
+    power = -A
+    inverse = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device) + power
+    for _ in range(doublings(A.shape[-1])):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
+def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``X`` with ``(I + A) X = rhs`` for strictly lower-triangular ``A`` [..., C, C]: diagonal blocks of
+    :func:`solve_block` rows inverted by their product form, then block forward substitution. All batched
+    matmuls: several times faster than a batched triangular solve on CPUs, and the same numbers to rounding."""
+    C = A.shape[-1]
+    size = solve_block(C)
+    blocks = C // size
+    diagonal = torch.stack([A[..., i * size:(i + 1) * size, i * size:(i + 1) * size] for i in range(blocks)], -3)
+    inverses = _unit_lower_inverse(diagonal).unbind(-3)
+    solved: list[torch.Tensor] = []
+    for i in range(blocks):
+        rows = slice(i * size, (i + 1) * size)
+        known = rhs[..., rows, :]
+        if i:
+            known = known - A[..., rows, : i * size] @ torch.cat(solved, dim=-2)
+        solved.append(inverses[i] @ known)
+    return torch.cat(solved, dim=-2)
+
+
 def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
     batch, seq_len, heads, dk = k.shape
     per_channel = g.dim() == 4
@@ -135,10 +185,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
     q_start = channel_decay(q, G)
     if carry is not None:
         k_start, q_start = k_start * carry[..., None], q_start * carry[..., None]
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    solved = torch.linalg.solve_triangular(
-        A + eye, torch.cat([v * beta[..., None], k_start], dim=-1), upper=False, unitriangular=True
-    )
+    solved = solve_unit_lower(A, torch.cat([v * beta[..., None], k_start], dim=-1))
     U, W = solved.split([v.shape[-1], dk], dim=-1)
     k_end = channel_decay(k, G_end[:, :, :, None] - G)  # keys decayed forward to the chunk end
     if end is not None:
@@ -148,14 +195,17 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
         # the state survives the chunk only if the whole chunk continues its sequence
         state_decay = state_decay * (last_doc == carry_doc)[:, None, :, None, None]
 
+    # per chunk (unbind: one backward op per tensor, where indexing would add a zero-filled copy per chunk)
+    U, W, q_start, qk, k_end = (t.unbind(2) for t in (U, W, q_start, qk, k_end))
+    state_decay = state_decay.unbind(2)
     # the first chunk starts from a zero state, and the state the last one leaves is never read
-    v_new, state = U[:, :, 0], None
-    outs = [qk[:, :, 0] @ v_new]
+    v_new, state = U[0], None
+    outs = [qk[0] @ v_new]
     for c in range(1, chunks):
-        written = k_end[:, :, c - 1].transpose(-1, -2) @ v_new
-        state = written if state is None else state_decay[:, :, c - 1] * state + written
-        v_new = U[:, :, c] - W[:, :, c] @ state
-        outs.append(q_start[:, :, c] @ state + qk[:, :, c] @ v_new)
+        written = k_end[c - 1].transpose(-1, -2) @ v_new
+        state = written if state is None else state_decay[c - 1] * state + written
+        v_new = U[c] - W[c] @ state
+        outs.append(q_start[c] @ state + qk[c] @ v_new)
     out = torch.stack(outs, dim=2)  # [b, h, n, C, dv]
     return out.permute(0, 2, 3, 1, 4).reshape(batch, chunks * C, heads, -1)[:, :seq_len]
 
