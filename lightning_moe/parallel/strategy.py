@@ -237,6 +237,12 @@ class ParallelStrategy(ModelParallelStrategy):
         data = getattr(trainer, "datamodule", None)
         if data is not None:
             self.parallel_dims.check_data_module(data)
+            if self.pipeline_parallel and isinstance(getattr(data, "micro_batch_size", None), int):
+                from lightning_moe.modules.pipeline_step import check_micro_batches
+
+                dims = self.parallel_dims
+                rows = data.micro_batch_size * dims.dp_size
+                check_micro_batches((getattr(data, "global_batch_size", None) or rows) // rows, dims.pp)
         super().setup(trainer)
 
     # ------------------------------------------------------------------ checkpoints

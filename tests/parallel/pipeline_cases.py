@@ -156,5 +156,21 @@ def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str
         run = fit(model, sizes, Path(directory) / case, steps=2, module_class=BROKEN[case])
         if not any("loss" in problem for problem in compare(case, reference, run, grads=False)):
             problems.append(f"{case}: a broken pipeline trained like one process (the comparison cannot fail)")
+    problems += check_too_few_micro_batches(Path(directory) / "too_few")
     if problems:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))
+
+
+def check_too_few_micro_batches(root: Path) -> list[str]:
+    """One micro-batch per step cannot fill 2 stages: refused before the first step, saying what fits."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(pp=2), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root)
+    module = GradProbe(model=tiny_config("llama"))
+    data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, vocab_size=64, num_val_samples=0)
+    try:
+        trainer.fit(module, datamodule=data)
+    except ValueError as error:
+        if "need at least 2 micro-batches per step, got 1" in str(error) and module.step_stats is None:
+            return []
+        return [f"too few micro-batches: unexpected error {error}"]
+    return ["too few micro-batches: one micro-batch per step trained with pp=2"]

@@ -1,8 +1,9 @@
-"""Pipeline parallelism (``ParallelStrategy(pp=...)``) under a real ``Trainer``: 5 steps of 1F1B, interleaved
-1F1B and a zero-bubble schedule on a dense model and on an MoE + MTP model give the losses, gradient norms,
-validation losses and first-step gradients of one process; a pipeline with its blocks out of order or a
-micro-batch dropped does not; pipelines compose with FSDP and expert parallelism on 4 ranks. The split, the
-layout syntax and the size checks are tested without processes."""
+"""Pipeline parallelism (``ParallelStrategy(pp=...)``) under a real ``Trainer``: 6 steps of 1F1B (also with
+activation checkpointing), interleaved 1F1B and a zero-bubble schedule (ZBV) on a dense model and on an MoE + MTP
+model give the losses, gradient norms, validation losses and first-step gradients of one process; a pipeline with
+its blocks out of order or a micro-batch dropped does not; one micro-batch per step is refused before the first
+step; pipelines compose with FSDP and expert parallelism on 4 ranks. The split, the layout syntax and the size
+checks are tested without processes."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
     one-process run's."""
     cases = [
         ("dense_interleaved", "llama", {"pp": 2, "vp": 2}),
+        ("dense_1f1b_checkpointed_activations", "llama", {"pp": 2, "activation_checkpointing": "full"}),
         ("dense_zbv", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
