@@ -26,14 +26,16 @@ class StepLosses(Callback):
 
 
 def fit(pipeline: str, root: str, *, cache: str | None = None, steps: int = 3, fsdp: bool = False, peft=None,
-        condition_dropout: float = 0.25, micro_batch_size: int = 2, global_batch_size: int = 4, card: bool = False):
+        condition_dropout: float = 0.25, micro_batch_size: int = 2, global_batch_size: int = 4, card: bool = False,
+        **strategy_options):
     """``steps`` optimizer steps on the shipped sample (online) or its latent cache; returns the per-step losses,
     the module and the trainer."""
     losses = StepLosses()
     callbacks = [losses] + ([Throughput(), RunCard(print_card=False)] if card else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_steps=steps,
-        strategy=ParallelStrategy(dp_shard=2, activation_checkpointing="full") if fsdp else ParallelStrategy(),
+        strategy=ParallelStrategy(dp_shard=2, activation_checkpointing="full") if fsdp
+        else ParallelStrategy(**strategy_options),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, callbacks=callbacks,
     )

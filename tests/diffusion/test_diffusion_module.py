@@ -76,6 +76,19 @@ def test_online_and_cached_encoding_train_alike_and_the_transformer_exports(tiny
     assert not torch.allclose(_predict(start, inputs), trained, atol=1e-4)
 
 
+def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tiny_pipeline, tiny_cache, tmp_path):
+    from torch._dynamo.utils import counters
+
+    eager, _, _ = fit(str(tiny_pipeline), str(tmp_path / "eager"), cache=str(tiny_cache), steps=2)
+    counters.clear()
+    compiled, module, _ = fit(str(tiny_pipeline), str(tmp_path / "compiled"), cache=str(tiny_cache), steps=2,
+                              compile=True, compile_backend="aot_eager", activation_checkpointing="full")
+    assert compiled == pytest.approx(eager, abs=1e-5)
+    block = module.model.transformer.transformer_blocks[0]
+    assert "forward" in vars(block)  # the block's forward was replaced by its compiled (checkpointed) one
+    assert counters["stats"]["unique_graphs"] > 0  # and dynamo traced graphs for it
+
+
 def test_lora_adapters_load_in_diffusers_and_reproduce_the_prediction(tiny_pipeline, tiny_cache, tmp_path):
     from diffusers import QwenImagePipeline
 
