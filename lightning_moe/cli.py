@@ -60,6 +60,15 @@ def add_missing_callbacks(callbacks: list) -> list:
     return callbacks + [d for d in default_callbacks() if not any(isinstance(c, type(d)) for c in callbacks)]
 
 
+def default_loggers(root_dir: str) -> list:
+    """TensorBoard event files and a ``metrics.csv`` in the same ``lightning_logs/version_N`` folder: what a run
+    logs when the recipe names no logger (W&B, MLflow and others are Lightning's loggers, set in ``trainer.logger``)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    tensorboard = TensorBoardLogger(root_dir, name="lightning_logs")
+    return [tensorboard, CSVLogger(root_dir, name="lightning_logs", version=tensorboard.version)]
+
+
 def run_training_cli(argv: list[str] | None) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
@@ -68,6 +77,8 @@ def run_training_cli(argv: list[str] | None) -> None:
         def instantiate_trainer(self, **kwargs):
             trainer = super().instantiate_trainer(**kwargs)
             trainer.callbacks[:] = replace_lightning_defaults(add_missing_callbacks(list(trainer.callbacks)))
+            if self.config[self.subcommand]["trainer"].get("logger") in (None, True):
+                trainer.loggers = default_loggers(trainer.default_root_dir)
             return trainer
 
     # make the package's modules and data modules known to jsonargparse by their short names

@@ -78,11 +78,31 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         ("Peak process RSS", _number(card.get("peak_rss_gib"), ".2f", " GiB")),
         ("Skipped / NaN steps", f"{_number(card.get('skipped_steps'))} / {_number(card.get('nan_steps'))}"),
         ("Checkpoints", "<br>".join(f"`{p}`" for p in card["checkpoints"]) or "none"),
+        ("Logs", "<br>".join(f"{entry['logger']}: `{entry['location']}`" for entry in card.get("loggers", []))
+         or "none"),
+        ("Kernel checks", _kernel_checks(card.get("kernel_checks"))),
         ("Versions", versions),
         ("Command", f"`{card['command']}`"),
         ("Started", card["started"]),
         ("Wall time", _number(card["wall_time_s"], ".1f", " s")),
     ]
+
+
+def _kernel_checks(checks: list[dict[str, Any]] | None) -> str:
+    """One entry per compiled kernel and device/dtype: ok, or what failed and what ran instead."""
+    if not checks:
+        return "none run"
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for check in checks:
+        groups.setdefault(f"{check['kernel']} {check['device']}/{check['dtype']}", []).append(check)
+    parts = []
+    for name, group in groups.items():
+        failed = [c for c in group if c["status"] != "ok"]
+        if failed:
+            parts.append(f"{name}: {failed[0]['status']} on {failed[0]['machine']}, used {failed[0]['used']}")
+        else:
+            parts.append(f"{name}: ok ({len(group)} signature(s), {sum(c['seconds'] for c in group):.2f} s)")
+    return "<br>".join(parts)
 
 
 def _series_table(series: dict[str, list]) -> list[str]:

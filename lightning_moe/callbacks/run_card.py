@@ -32,6 +32,7 @@ from lightning_moe.callbacks.preemption import Preempted, Preemption
 from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
 from lightning_moe.callbacks.throughput import Throughput
 from lightning_moe.checkpoint.atomic import atomic_write_text
+from lightning_moe.kernels import kernel_checks
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import mtp_depths
 
@@ -81,6 +82,17 @@ def checkpoints_written(trainer: pl.Trainer) -> list[str]:
             # hidden entries are saves in progress or left unfinished (``.partial``), not checkpoints
             paths += [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if not name.startswith(".")]
     return list(dict.fromkeys(paths))
+
+
+def logger_locations(trainer: pl.Trainer) -> list[dict[str, str | None]]:
+    """Each logger and where it writes (a folder, or a tracking URI / run for W&B and MLflow)."""
+    found = []
+    for logger in trainer.loggers:
+        where = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        if where is None:
+            where = getattr(logger, "_tracking_uri", None) or getattr(logger, "name", None)
+        found.append({"logger": type(logger).__name__, "location": None if where is None else str(where)})
+    return found
 
 
 def versions() -> dict[str, str | None]:
@@ -196,7 +208,9 @@ class RunCard(StepEndCallback):
             "preemption": preemption.record if preemption else None,
             "checkpoints": checkpoints_written(trainer) + ([preemption.record["checkpoint"]]
                                                            if preemption and preemption.record else []),
+            "loggers": logger_locations(trainer),
             "versions": versions(),
+            "kernel_checks": kernel_checks(),  # compiled kernels checked on first use, and their verdicts
             "command": shlex.join(sys.argv),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "wall_time_s": finished - self.started,

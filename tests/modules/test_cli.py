@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -81,3 +82,26 @@ def test_python_usage_from_the_readme(tmp_path):
     trainer.fit(module, datamodule=MockDataModule(seq_length=32, micro_batch_size=2, vocab_size=512))
     assert module.step_stats.step == 3
     assert module.step_stats.loss == pytest.approx(6.24, abs=0.3)  # ~ln(512) for an untrained model
+
+
+def test_a_run_logs_tensorboard_and_csv_by_default_and_the_card_says_where(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", "configs/quickstart.yaml",
+         "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert list(run_dir.glob("events.out.tfevents.*")) and (run_dir / "metrics.csv").is_file()
+    card = json.loads((run_dir / "run_card.json").read_text())
+    assert [entry["logger"] for entry in card["loggers"]] == ["TensorBoardLogger", "CSVLogger"]
+    assert {entry["location"] for entry in card["loggers"]} == {str(run_dir)}
+    # the console: a bar in optimizer steps, the model summary with model FLOPs
+    assert "Step" in out.stdout and "2/2" in out.stdout
+    assert "Model FLOPs per token" in out.stdout and "Total FLOPs" not in out.stdout
+
+
+def test_the_tracking_example_names_wandb_and_mlflow(capsys):
+    resolved = yaml.safe_load(_print_config(capsys, "--config", "configs/quickstart_tracking.yaml"))
+    kinds = [logger["class_path"].rsplit(".", 1)[1] for logger in resolved["trainer"]["logger"]]
+    assert kinds == ["WandbLogger", "MLFlowLogger", "CSVLogger"]
