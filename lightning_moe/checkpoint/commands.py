@@ -19,7 +19,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
 
     imp = sub.add_parser("import", help="Hugging Face directory -> native checkpoint")
-    imp.add_argument("--hf-path", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    imp.add_argument("--hf-path", required=True,
+                     help="Hugging Face model directory (config.json + safetensors), or a hub id (downloaded)")
+    imp.add_argument("--hf-revision", default=None, help="hub revision (commit, branch or tag) of a hub id")
+    imp.add_argument("--ep", type=int, default=1, help="on N launched ranks (torchrun): expert parallelism of the "
+                     "layout; each rank reads its experts and tensors only and writes a distributed checkpoint")
     imp.add_argument("--out", required=True, help="output directory")
     imp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
     imp.add_argument("--dequantize-dtype", choices=sorted(DTYPES), default="bfloat16",
@@ -34,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
                      help="write the hub's quantized layout (DeepSeek-V3 block FP8, GPT-OSS MXFP4 experts)")
     exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
+    exp.add_argument("--distributed-save", action="store_true", help="on N launched ranks (torchrun): every rank "
+                     "writes the files of its experts and tensors, rank 0 the index")
+    exp.add_argument("--ep", type=int, default=1, help="with --distributed-save: expert parallelism of the layout")
     exp.add_argument("--overwrite", action="store_true")
 
     lora = sub.add_parser("export-lora", help="LoRA run checkpoint -> Hugging Face PEFT adapter and/or merged model")
@@ -50,21 +57,82 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hub_directory(path: str, revision: str | None) -> str:
+    """``--hf-path`` as a local directory: itself, or the snapshot of a hub id at ``revision`` (fetched once by
+    the first rank of each node when launched on several)."""
+    from pathlib import Path
+
+    if Path(path).expanduser().is_dir():
+        if revision is not None:
+            raise ValueError(f"--hf-revision {revision} applies to a hub id; {path} is a local directory")
+        return path
+    from lightning_moe.checkpoint.distributed_convert import join_ranks, launched_ranks
+    from lightning_moe.models.hf import HFModelConfig, resolve_model_dir
+
+    config = HFModelConfig(hf=path, revision=revision)
+    if launched_ranks() == 1:
+        return str(resolve_model_dir(config))
+    import os
+
+    import torch.distributed as dist
+
+    join_ranks()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        resolve_model_dir(config)  # one download per node
+    dist.barrier()
+    return str(resolve_model_dir(config))  # the snapshot just fetched
+
+
+def distributed(ep: int, action: str, distributed_save: bool = True) -> bool:
+    """Whether this process is one of N launched ranks of a distributed conversion (joining them if so)."""
+    from lightning_moe.checkpoint.distributed_convert import join_ranks, launched_ranks
+
+    ranks = launched_ranks()
+    if ranks == 1:
+        if ep > 1 or (action == "export" and distributed_save):
+            flag = "--distributed-save" if action == "export" and distributed_save else f"--ep {ep}"
+            raise ValueError(f"{flag} converts on several ranks: launch with torchrun --nproc-per-node N "
+                             f"(this process is the only rank)")
+        return False
+    if action == "export" and not distributed_save:
+        raise ValueError(f"export on {ranks} launched ranks writes with --distributed-save (or run one process)")
+    join_ranks()
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from lightning_moe.checkpoint import convert
 
     try:
         if args.action == "import":
-            out = convert.import_hf_checkpoint(
-                args.hf_path, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                dequantize_dtype=DTYPES[args.dequantize_dtype],
-            )
+            hf_dir = hub_directory(args.hf_path, args.hf_revision)
+            if distributed(args.ep, "import"):
+                from lightning_moe.checkpoint import distributed_convert as dc
+
+                out = dc.import_hf_checkpoint_distributed(
+                    hf_dir, args.out, dc.ConversionLayout.of_process_group(args.ep), overwrite=args.overwrite,
+                    dequantize_dtype=DTYPES[args.dequantize_dtype])
+            else:
+                out = convert.import_hf_checkpoint(
+                    hf_dir, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                    dequantize_dtype=DTYPES[args.dequantize_dtype],
+                )
             print(f"imported {args.hf_path} -> {out}")
         elif args.action == "export":
             from lightning_moe.checkpoint.run import export_run, is_run_checkpoint
 
-            if is_run_checkpoint(args.ckpt):
+            if distributed(args.ep, "export", args.distributed_save):
+                from lightning_moe.checkpoint import distributed_convert as dc
+
+                if is_run_checkpoint(args.ckpt):
+                    raise ValueError(f"--distributed-save exports an imported checkpoint (native or distributed) or a "
+                                     f"Hugging Face directory; {args.ckpt} is a training run's checkpoint: export it "
+                                     f"in one process")
+                out = dc.export_hf_checkpoint_distributed(
+                    args.ckpt, args.out, dc.ConversionLayout.of_process_group(args.ep), dtype=DTYPES.get(args.dtype),
+                    max_shard_bytes=args.max_shard_size, overwrite=args.overwrite, quantize=args.quantize)
+            elif is_run_checkpoint(args.ckpt):
                 out = export_run(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), quantize=args.quantize,
                                  max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,23 @@ def export_hf_tensors(
     quantized in that layout, with the matching ``quantization_config``; None writes them unquantized.
     """
     family = family_by_name(config.family)
+    hf = export_hf_config(family, config, hf_config, dtype, quantize)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for m in family.weight_map(config):
+            natives = cast_floating([native(name) for name in m.natives], dtype)
+            write_hub_tensors(writer, family, m.hf, m.hf_from_natives(natives), hf, quantize)
+        writer.finish()
+        (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+        if aux_dir is not None:
+            copy_aux_files(aux_dir, tmp)
+    return Path(out)
+
+
+def export_hf_config(family: Family, config: ModelConfig, hf_config: dict[str, Any] | None, dtype: torch.dtype | None,
+                     quantize: str | None) -> dict[str, Any]:
+    """The config.json of an export: the source's (or the family's translation), with the export's dtype and
+    ``quantization_config``."""
     hf = dict(hf_config) if hf_config is not None else family.to_hf_config(config)
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
@@ -78,24 +95,24 @@ def export_hf_tensors(
     original_quantization = hf.pop("quantization_config", None)
     if quantize is not None:
         hf["quantization_config"] = hub_quantization_config(family, quantize, original_quantization)
+    return hf
+
+
+def cast_floating(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    return [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in tensors]
+
+
+def write_hub_tensors(writer: ShardedWriter, family: Family, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                      hf: dict[str, Any], quantize: str | None) -> None:
+    """Hub tensors ``names`` (of one weight map) into ``writer``, quantized where the layout ``quantize`` stores
+    them quantized (block size from ``hf``'s ``quantization_config``)."""
     block = fp8_block_size(hf.get("quantization_config") or {})
-    with atomic_directory(out, overwrite=overwrite) as tmp:
-        writer = ShardedWriter(tmp, max_shard_bytes)
-        for m in family.weight_map(config):
-            tensors = [native(name) for name in m.natives]
-            if dtype is not None:
-                tensors = [t.to(dtype) if t.is_floating_point() else t for t in tensors]
-            for name, part in zip(m.hf, m.hf_from_natives(tensors), strict=True):
-                if quantize is not None and family.quantizes(name, quantize):
-                    for quantized_name, quantized in quantized_hub_tensors(name, part, quantize, block):
-                        writer.add(quantized_name, quantized)
-                else:
-                    writer.add(name, part)
-        writer.finish()
-        (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
-        if aux_dir is not None:
-            copy_aux_files(aux_dir, tmp)
-    return Path(out)
+    for name, part in zip(names, tensors, strict=True):
+        if quantize is not None and family.quantizes(name, quantize):
+            for quantized_name, quantized in quantized_hub_tensors(name, part, quantize, block):
+                writer.add(quantized_name, quantized)
+        else:
+            writer.add(name, part)
 
 
 def export_hf_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,

@@ -71,6 +71,13 @@ class SafetensorsDir:
         except Exception as err:
             raise ValueError(f"{self.files[name]}: cannot read tensor {name!r} ({err})") from err
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of a tensor, reading only their bytes."""
+        try:
+            return self._open(self.files[name]).get_slice(name)[start:stop]
+        except Exception as err:
+            raise ValueError(f"{self.files[name]}: cannot read rows {start}:{stop} of tensor {name!r} ({err})") from err
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -78,8 +85,10 @@ class SafetensorsDir:
 class ShardedWriter:
     """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes``."""
 
-    def __init__(self, directory: str | Path, max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> None:
+    def __init__(self, directory: str | Path, max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None,
+                 temp_prefix: str = "") -> None:
         self.directory = Path(directory)
+        self.temp_prefix = temp_prefix  # several writers (ranks) filling one directory name their shards apart
         self.max_shard_bytes = max_shard_bytes
         self.metadata = metadata or {"format": "pt"}
         self._pending: dict[str, torch.Tensor] = {}
@@ -100,22 +109,38 @@ class ShardedWriter:
         self.total_bytes += size
 
     def _flush(self) -> None:
-        index = len(self._shards)
-        save_file(self._pending, str(self.directory / f".shard-{index:05d}.safetensors"), metadata=self.metadata)
-        self._shards.append(list(self._pending))
+        path = self.directory / f".{self.temp_prefix}shard-{len(self._shards):05d}.safetensors"
+        save_file(self._pending, str(path), metadata=self.metadata)
+        self._shards.append((path.name, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[tuple[str, list[str]]]:
+        """Write what is pending; the shards so far as (temporary file name, tensor names)."""
+        if self._pending:
+            self._flush()
+        return list(self._shards)
 
     def finish(self) -> list[str]:
         """Name the shards ``model-0000k-of-0000n`` now that n is known, and write the index."""
         if self._pending or not self._shards:
             self._flush()
-        count = len(self._shards)
-        weight_map, names = {}, []
-        for i, tensors in enumerate(self._shards):
-            name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.directory / f".shard-{i:05d}.safetensors", self.directory / name)
-            names.append(name)
-            weight_map.update({t: name for t in tensors})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        return names
+        return name_shards(self.directory, self._shards, self.total_bytes)
+
+
+def final_shard_names(count: int) -> list[str]:
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def name_shards(directory: Path, shards: list[tuple[str, list[str]]], total_bytes: int,
+                rename: bool = True) -> list[str]:
+    """Rename temporary shards to ``model-0000k-of-0000n`` in order and write the index (``rename=False``: the
+    shards were renamed by the processes that wrote them; only the index is written)."""
+    names = final_shard_names(len(shards))
+    weight_map = {}
+    for (temp, tensors), name in zip(shards, names):
+        if rename:
+            os.replace(directory / temp, directory / name)
+        weight_map.update({t: name for t in tensors})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return names

@@ -141,13 +141,19 @@ class NativeCheckpoint:
             yield name, self.reader.get(name)
 
 
-def open_checkpoint(path: str | Path) -> HFCheckpoint | NativeCheckpoint:
-    """A native checkpoint (``model_config.json``) or a Hugging Face directory (``config.json``)."""
+def open_checkpoint(path: str | Path):
+    """A native checkpoint (``model_config.json``: safetensors, or the distributed import's DCP files) or a
+    Hugging Face directory (``config.json``)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if (path / NATIVE_CONFIG).exists():
-        return NativeCheckpoint(path)
+        from lightning_moe.checkpoint.distributed_convert import (
+            DistributedNativeCheckpoint,
+            is_distributed_native,
+        )
+
+        return DistributedNativeCheckpoint(path) if is_distributed_native(path) else NativeCheckpoint(path)
     if (path / HF_CONFIG).exists():
         return HFCheckpoint(path)
     raise FileNotFoundError(f"{path}: missing config.json (Hugging Face) or {NATIVE_CONFIG} (imported checkpoint)")

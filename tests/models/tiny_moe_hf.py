@@ -46,12 +46,13 @@ def tiny_config(name: str):
     raise ValueError(name)
 
 
-def build_tiny(name: str, seed: int = 0):
-    """Random weights (and expert biases) large enough that routing and logits are not degenerate."""
+def build_tiny(name: str, seed: int = 0, config=None):
+    """Random weights (and expert biases) large enough that routing and logits are not degenerate (``config``:
+    another config of the family than ``tiny_config(name)``)."""
     import transformers as t
 
     torch.manual_seed(seed)
-    model = t.AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    model = t.AutoModelForCausalLM.from_config(config or tiny_config(name)).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1)
@@ -61,13 +62,13 @@ def build_tiny(name: str, seed: int = 0):
     return model
 
 
-def save_tiny(name: str, path: Path, dtype: torch.dtype = torch.float32) -> Path:
-    build_tiny(name).to(dtype).save_pretrained(path)
+def save_tiny(name: str, path: Path, dtype: torch.dtype = torch.float32, config=None) -> Path:
+    build_tiny(name, config=config).to(dtype).save_pretrained(path)
     return path
 
 
 def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, seed: int = 1,
-                  weight_copies: bool = True) -> dict[str, torch.Tensor]:
+                  weight_copies: bool = True, config=None) -> dict[str, torch.Tensor]:
     """Write a DeepSeek-style MTP layer ``model.layers.{L}`` next to a saved tiny model, as the hub stores it:
     enorm, hnorm, eh_proj, one full decoder layer (here a transformers decoder layer), ``shared_head.norm`` and,
     with ``weight_copies`` (DeepSeek-V3, GLM-4.5; GLM-4.6 has none), copies of the embedding and output layer.
@@ -75,7 +76,7 @@ def add_mtp_layer(hf_dir: Path, name: str, dtype: torch.dtype = torch.float32, s
     import transformers as t
     from safetensors import safe_open
 
-    config = tiny_config(name)
+    config = config or tiny_config(name)
     layer_index = config.num_hidden_layers
     layer_cls = {"deepseek_v3": t.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer,
                  "glm4_moe": t.models.glm4_moe.modeling_glm4_moe.Glm4MoeDecoderLayer}[config.model_type]

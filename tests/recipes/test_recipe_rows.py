@@ -71,12 +71,14 @@ def recipe_values(cfg: dict[str, Any]) -> dict[str, Any]:
     data, module = cfg["data"]["init_args"], cfg["model"]["init_args"]
     dims = ParallelDims(**{name: args[name] for name in MESH_SIZE_NAMES}, world_size=gpus(cfg))
     dataset, packed = recipe_dataset(cfg["data"])
-    return {"gpus": gpus(cfg), "global_batch_size": data["global_batch_size"],
-            "micro_batch_size": data["micro_batch_size"],
+    model = module.get("model")  # a language model's; other modules (diffusion) have none
+    return {"gpus": gpus(cfg), "global_batch_size": data.get("global_batch_size"),
+            "micro_batch_size": data.get("micro_batch_size"),
             "seq_length": data.get("seq_length") or data.get("packed_sequence_size"),
             **{name: args.get(name, 1) for name in PARALLEL}, "fsdp": dims.dp_shard,
             "precision": number_format(cfg), "steps": cfg["trainer"]["max_steps"], "dataset": dataset,
-            "packed": packed, "lora_rank": (module.get("peft") or {}).get("r"), "mtp": recipe_mtp(module["model"])}
+            "packed": packed, "lora_rank": (module.get("peft") or {}).get("r"),
+            "mtp": recipe_mtp(model) if isinstance(model, dict) else None}
 
 
 def row_values(row: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,12 @@ class TensorMap:
     def natives(self) -> tuple[str, ...]:
         return (self.native, *self.joint)
 
+    @property
+    def stacks_experts(self) -> bool:
+        """One hub tensor per expert, stacked along dim 0: rows ``a:b`` of the native tensor are hub tensors
+        ``hf[a:b]`` (what lets each rank of a distributed conversion read and write only its experts)."""
+        return self.to_native is _stack and self.to_hf is _unbind and not self.joint
+
     def natives_from_hf(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = self.to_native(tensors)
         return list(out) if self.joint else [out]
