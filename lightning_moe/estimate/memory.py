@@ -13,8 +13,9 @@ Components of one rank (bytes), in the order a step fills them:
 - activations: what autograd saves during a micro-batch's forward, measured by
   :func:`~lightning_moe.estimate.probe.saved_activations` on the rank's tokens (``micro_batch x seq / cp``,
   then ``/ tp`` for tensor and sequence parallelism), with activation checkpointing applied per block
-  (a checkpointed block keeps its input and is recomputed, one at a time, during backward). A pipeline
-  stage of a 1F1B schedule holds ``pp - stage`` micro-batches in flight.
+  (a checkpointed block keeps its input and is recomputed, one at a time, during backward). Pipeline ranks
+  hold the blocks of the strategy's own split (``parallel/pipeline.py``), and rank ``r`` of a 1F1B-like
+  schedule holds ``pp - r`` micro-batches in flight (GPipe would hold all of them).
 - loss buffers: the fused output-layer loss's gradients, computed during forward (:func:`output_loss_bytes`).
 
 FP8 weight casts and LoRA adapters are in the model the probe runs, so they appear where they are saved.
@@ -97,16 +98,26 @@ def _sizes(layout: RecipeLayout) -> tuple[ParallelDims, int]:
     return dims, pp
 
 
-def _stage_blocks(blocks: list[str], pp: int) -> list[list[str]]:
-    """Contiguous, even split of the repeated blocks over ``pp`` stages (MTP depths on the last)."""
-    main = [b for b in blocks if b.startswith("layers.")]
-    mtp = [b for b in blocks if not b.startswith("layers.")]
-    if len(main) < pp:
-        raise ValueError(f"pp={pp}: the model has {len(main)} blocks, fewer than the stages; use pp <= {len(main)}")
-    bounds = [round(i * len(main) / pp) for i in range(pp + 1)]
-    stages = [main[bounds[i]:bounds[i + 1]] for i in range(pp)]
-    stages[-1] += mtp
-    return stages
+def pipeline_ranks(model: nn.Module, options: dict, pp: int) -> list[tuple[list[str], bool, bool]]:
+    """Per pipeline rank: its blocks (``layers.i``, MTP depths with the output), whether it holds the embedding
+    and the output layer, from the strategy's own split (``pp_layout``, else balanced by FLOPs and
+    parameters)."""
+    mtp = [f"mtp.depths.{d}" for d in range(len(model.mtp.depths))] if getattr(model, "mtp", None) else []
+    if pp == 1:
+        return [([f"layers.{name}" for name in model.layers] + mtp, True, True)]
+    from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
+
+    vp = int(options.get("vp", 1))
+    schedule = options.get("pp_schedule") or default_schedule(vp)
+    check_schedule(schedule, pp, vp)
+    specs = split_model(model, pp * vp, options.get("pp_layout"))
+    ranks = []
+    for rank in range(pp):
+        held = [specs[i] for i in stage_indices(rank, pp, vp, schedule)]
+        output = any(spec.output for spec in held)
+        blocks = [f"layers.{b}" for spec in held for b in spec.blocks] + (mtp if output else [])
+        ranks.append((blocks, any(spec.embedding for spec in held), output))
+    return ranks
 
 
 def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
@@ -121,7 +132,6 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     reduce = DTYPES.get(options.get("reduce_dtype") or "float32", torch.float32)
     _, model = build_fake_decoder(layout, stored)
     blocks = repeated_blocks(model)
-    block_names = [name for name, _ in blocks]
     experts, tp_split = _expert_params(model), _tp_split(model)
     fsdp = dims.fsdp_enabled
     dense_shards = dims.dp_shard * dims.cp if fsdp else 1
@@ -157,10 +167,8 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     loss = output_loss_bytes(layout.model, tokens, dims.tp, (compute or stored).itemsize,
                              model.output_weight.requires_grad)
 
-    stages = _stage_blocks(block_names, pp)
     ranks = []
-    for stage, names in enumerate(stages):
-        first, last = stage == 0, stage == pp - 1
+    for stage, (names, first, last) in enumerate(pipeline_ranks(model, options, pp)):
         held = [u for u in units if u in names or (u == OUTSIDE_BLOCKS and (first or last))]
         params = [p for u in held for p in units[u]]
         trainable = [p for p in params if p.requires_grad]
@@ -182,12 +190,12 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
         kept = sum(saved.block_input.get(n, 0) if n in checkpointed else saved.per_block[n] for n in names)
         recompute = max((saved.per_block[n] for n in names if n in checkpointed), default=0)
         outside = saved.outside if (first or last) else 0
-        in_flight = pp - stage if pp > 1 else 1
+        in_flight = pp - stage  # micro-batches whose activations a 1F1B-like schedule holds on this rank
         c["activations"] = ((kept + outside) * in_flight + recompute) / dims.tp
         c["loss buffers"] = loss if last else 0.0
-        memory.notes.append(f"blocks {_span(names)}" if pp > 1 else f"{len(names)} blocks")
+        memory.notes.append(f"{len(names)} blocks")
         if pp > 1:
-            memory.notes.append(f"{in_flight} micro-batch(es) in flight (1F1B)")
+            memory.notes.append(f"{in_flight} micro-batch(es) in flight")
         ranks.append(memory)
     return ranks
 
@@ -218,8 +226,4 @@ def _kind(stage: int, pp: int) -> str:
     if stage == pp - 1:
         return f"last stage {stage} (output layer)"
     return f"stage {stage}"
-
-
-def _span(names: list[str]) -> str:
-    return f"{names[0]} .. {names[-1]}" if names else "none"
 
