@@ -137,10 +137,14 @@ class ContextParallelRow:
         return self._masks[key]
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
+def apply_context_parallel(model: nn.Module, cp_mesh, mixer_mesh=None) -> None:
     """Make every attention block of ``model`` attend over the whole row held by ``cp_mesh``, and every Mamba-2,
-    Gated DeltaNet and KDA mixer scan it."""
+    Gated DeltaNet and KDA mixer scan it. ``mixer_mesh``: the flattened cp x tp mesh under tensor parallelism,
+    whose ranks each hold a sequence-parallel piece of a cp shard; the mixers trade tokens for heads over all of
+    them at once (rank ``(c, t)`` holds piece ``t`` of cp rank ``c``'s tokens, so in rank order they are the
+    gathered row's tokens in the same order as for cp alone)."""
     group = cp_mesh.get_group()
+    mixer_group = (mixer_mesh or cp_mesh).get_group()
 
     def attach(module, args):
         layout = args[1]
@@ -154,7 +158,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
         if block.symbol in "*MGK":
             block.op.register_forward_pre_hook(attach)
         if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: heads over the whole row
-            block.op.forward = heads_over_whole_rows(block.op, group, _gathered_row)
+            block.op.forward = heads_over_whole_rows(block.op, mixer_group, _gathered_row)
 
 
 def _gathered_row(layout: SequenceLayout) -> tuple[torch.Tensor, SequenceLayout]:

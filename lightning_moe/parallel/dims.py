@@ -16,6 +16,7 @@ Named sub-meshes (``dims.mesh(name)``):
     ``dp_cp``         dp_replicate x dp_shard x cp: the loss is normalized over these ranks
     ``fsdp``          the dense FSDP mesh: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)`` for HSDP
     ``cp``, ``tp``, ``dp_replicate``, ``dp_shard``
+    ``cp_tp``         cp x tp: where Mamba-2 / linear-attention mixers trade tokens for heads
     ``ep``            ranks that exchange tokens for their experts
     ``expert_fsdp``   what FSDP shards experts over: ``ep_shard``, or ``(dp_replicate, ep_shard)``
     ``pp``            the ranks that hold the stages of one pipeline (same data, different blocks)
@@ -124,14 +125,13 @@ class ParallelDims:
         has_attention = "*" in pattern
         if self.tp > 1:
             check_linear_attention_split(config, pattern, self.tp, "tp")
-            if self.cp > 1 and ("G" in pattern or "K" in pattern):
-                raise ValueError(f"tp={self.tp} with cp={self.cp}: Gated DeltaNet / KDA blocks split rows over one of "
-                                 f"them at a time; use tp=1 or cp=1")
             if "M" in pattern:
                 check_head_split(config.mamba.n_groups, self.tp, "tp")
-                if self.cp > 1:
-                    raise ValueError(f"tp={self.tp} with cp={self.cp}: Mamba-2 blocks split rows over one of them at a "
-                                     f"time; use tp=1 or cp=1")
+            if self.cp > 1:
+                # Mamba-2 / Gated DeltaNet / KDA trade tokens for heads over the cp x tp ranks at once
+                check_linear_attention_split(config, pattern, self.cp * self.tp, "cp*tp")
+                if "M" in pattern:
+                    check_head_split(config.mamba.n_groups, self.cp * self.tp, "cp*tp")
             if has_attention and att.type == "mla" and att.out_bias:
                 raise ValueError(f"tp={self.tp}: tensor parallelism of MLA with attention.out_bias is not supported; "
                                  f"use tp=1")
@@ -222,6 +222,7 @@ class ParallelDims:
         meshes["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         meshes["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        meshes["cp_tp"] = world["cp", "tp"]._flatten("cp_tp")
         if self.pp > 1:
             meshes["stage"] = world["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
         meshes["fsdp"] = meshes["dp_shard_cp"]

@@ -75,7 +75,7 @@ def parallelize(
     if dims.cp > 1:
         from lightning_moe.parallel.context import apply_context_parallel
 
-        apply_context_parallel(model, dims.mesh("cp"))
+        apply_context_parallel(model, dims.mesh("cp"), dims.mesh("cp_tp") if dims.tp > 1 else None)
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend,
                            checkpoint_outside=dims.tp > 1)
     # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for

@@ -76,7 +76,8 @@ def test_expert_parallelism_folds_over_tensor_parallel_ranks(world, ep_shard):
      {"tp": 2}, r"tp=2 does not divide mamba.n_groups=1 \(each tp rank scans whole B/C groups\); use tp in \[1\]"),
     (ModelConfig(vocab_size=96, hidden_size=32, pattern="M-", mlp=MLPConfig(48),
                  mamba=MambaConfig(num_heads=4, n_groups=2)),
-     {"tp": 2, "cp": 2}, r"tp=2 with cp=2: Mamba-2 blocks split rows over one of them at a time; use tp=1 or cp=1"),
+     {"tp": 2, "cp": 2}, r"cp\*tp=4 does not divide mamba.n_groups=2 \(each cp\*tp rank scans whole B/C groups\); "
+                         r"use cp\*tp in \[1, 2\]"),
 ])
 def test_models_that_do_not_split(config, sizes, message):
     dims = ParallelDims(**sizes, world_size=sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("ep", 1))

@@ -69,6 +69,8 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         ("run_layout", ("tp x cp, selective activation checkpointing", "qwen3_moe", {"tp": 2, "cp": 2}),
          {"activation_checkpointing": "selective", "activation_checkpointing_every": 2}),
         ("run_layout", ("tp x cp, MLA", "mla_moe", {"tp": 2, "cp": 2}), {}),
+        ("run_layout", ("tp x cp, Mamba-2 heads traded over cp x tp at once, attention and MoE, packed rows",
+                        "hybrid_4_groups", {"tp": 2, "cp": 2}), {}),
         ("run_layout", ("fsdp x cp x ep, Mamba-2", "hybrid", {"dp_shard": 2, "cp": 2, "ep": 4}), {}),
         ("run_layout", ("hsdp x ep, 2 micro-batches per step (all-reduce across replicas deferred to the last)",
                         "qwen3_moe", {"dp_replicate": 2, "dp_shard": 2, "ep": 2}), {"micro_batches": 2}),
