@@ -117,3 +117,16 @@ def test_the_estimate_matches_a_real_runs_memory():
     assert run.returncode == 0, run.stderr[-3000:]
     estimated, measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert estimated == pytest.approx(measured, rel=0.15)
+
+
+def test_pipeline_ranks_hold_the_strategys_split():
+    recipe = ROOT / "configs" / "tiny" / "mla_moe_benchmark.yaml"
+    whole = estimate_memory(load_recipe(recipe, []))[0]
+    ranks = estimate_memory(load_recipe(recipe, ["--trainer.devices", "2", "--trainer.strategy.init_args.pp", "2"]))
+    assert [r.kind for r in ranks] == ["first stage (embedding)", "last stage 1 (output layer)"]
+    # no FSDP within a stage: the stages' parameters add up to the whole model's
+    assert sum(r.components["parameters"] for r in ranks) == pytest.approx(whole.components["parameters"])
+    assert ranks[0].components["loss buffers"] == 0 and ranks[1].components["loss buffers"] > 0
+    with pytest.raises(ValueError, match="pp_layout"):
+        estimate_memory(load_recipe(recipe, ["--trainer.devices", "2", "--trainer.strategy.init_args.pp", "2",
+                                             "--trainer.strategy.init_args.pp_layout", "Et|t*9L"]))
