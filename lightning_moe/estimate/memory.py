@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_moe.estimate.probe import OUTSIDE_BLOCKS, default_dtype, fake_model, saved_activations
+from lightning_moe.estimate.probe import default_dtype, fake_model, saved_activations
 from lightning_moe.estimate.recipe import RecipeLayout
 from lightning_moe.models.layers.moe import GroupedExperts, Router
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
@@ -38,6 +38,7 @@ from lightning_moe.parallel.dims import ParallelDims
 
 GIB = 1024**3
 COMPONENTS = ("parameters", "gradients", "optimizer states", "FSDP working set", "activations", "loss buffers")
+EMBEDDING, OUTPUT = "embedding", "final norm and output layer"  # FSDP units outside the repeated blocks
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -152,9 +153,11 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     for name, block in blocks:
         for p in block.parameters():
             owner[id(p)] = name
+    for p in model.embed.parameters():
+        owner[id(p)] = EMBEDDING
     units: dict[str, list[torch.Tensor]] = {}
     for p in model.parameters():
-        units.setdefault(owner.get(id(p), OUTSIDE_BLOCKS), []).append(p)
+        units.setdefault(owner.get(id(p), OUTPUT), []).append(p)
 
     tokens = layout.micro_batch_size * layout.seq_length // dims.cp
     moe = layout.model.moe
@@ -169,7 +172,7 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
 
     ranks = []
     for stage, (names, first, last) in enumerate(pipeline_ranks(model, options, pp)):
-        held = [u for u in units if u in names or (u == OUTSIDE_BLOCKS and (first or last))]
+        held = [u for u in units if u in names or (u == EMBEDDING and first) or (u == OUTPUT and last)]
         params = [p for u in held for p in units[u]]
         trainable = [p for p in params if p.requires_grad]
         memory = RankMemory(kind=_kind(stage, pp))

@@ -23,8 +23,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-OUTSIDE_BLOCKS = "embedding, final norm and loss"
-
 
 class _BalancedShapes(TorchDispatchMode):
     """Data-dependent ops with the shapes of a balanced, fully labelled batch."""
