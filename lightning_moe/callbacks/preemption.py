@@ -13,7 +13,8 @@ all-reduce of the flag per step), the callback writes a complete checkpoint to L
 restores the newest checkpoint by itself (the sbatch template passes it as ``--ckpt_path``); elsewhere resume
 with ``--ckpt_path <the printed path>`` (or ``--ckpt_path hpc``).
 
-It also holds Lightning's ``ModelCheckpoint`` to optimizer-step ends (see ``on_train_batch_start``).
+It also holds Lightning's ``ModelCheckpoint`` to optimizer-step ends (see ``on_train_batch_start``), and, on
+resume, re-counts Lightning's micro-batches of the epoch from the data position (``align_batch_count``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Preemption(StepEndCallback):
             connector.received_sigterm = False
             self.received = self.received or signal.SIGTERM
         self._install(trainer)  # replaces Lightning's SIGTERM handler (stop without saving, exit status 0)
+        align_batch_count(trainer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -152,6 +154,20 @@ class Preemption(StepEndCallback):
                                    f"{(result.stderr or result.stdout).strip()}; the checkpoint is saved, resubmit "
                                    f"the job to resume")
         return job
+
+
+def align_batch_count(trainer: pl.Trainer) -> None:
+    """Lightning counts micro-batches per epoch in its loop state and ends an accumulation window when that count
+    is a multiple of the accumulation; resumed with another data-parallel size or batch sizes, the restored count
+    belongs to the old layout and the first window would be cut short. Re-count it from the data position."""
+    data = trainer.datamodule
+    taken = data.micro_batches_into_epoch() if hasattr(data, "micro_batches_into_epoch") else None
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    if trainer.global_step == 0 or taken is None or progress.ready == taken:
+        return
+    shift = taken - progress.ready  # all four counters: Lightning completes the batch a checkpoint was saved in
+    progress.ready, progress.started = progress.ready + shift, progress.started + shift
+    progress.processed, progress.completed = progress.processed + shift, progress.completed + shift
 
 
 def slurm_job_id() -> str | None:

@@ -134,6 +134,14 @@ class BaseDataModule(L.LightningDataModule):
         if self._train_sampler is not None:
             self._train_sampler.consumed_samples = self.consumed_samples
 
+    def micro_batches_into_epoch(self) -> int | None:
+        """Micro-batches this rank has taken of the current epoch at the data position, in the current layout
+        (None before the training loader exists)."""
+        sampler = self._train_sampler
+        if sampler is None:
+            return None
+        return self.consumed_samples % sampler.samples_per_epoch // sampler.step_size
+
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed,
                 "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size}

@@ -42,18 +42,22 @@ class PauseAt(pl.Callback):
     - ``batch``: before micro-batch ``micro`` of optimizer step ``step`` (1-based, the step being computed);
     - ``save_payload``: inside the save of a checkpoint whose name contains ``name``, once its data files are
       written and before its index (DCP ``.metadata``) is;
-    - ``save_publish``: inside that save once it is complete, before it is moved to its name.
+    - ``save_publish``: inside that save once it is complete, before it is moved to its name;
+
+    on global rank ``rank`` only.
     """
 
     def __init__(self, point: str, marker: str, release: str | None = None, step: int = 0, micro: int = 0,
-                 name: str = "") -> None:
+                 name: str = "", rank: int = 0) -> None:
         if point not in ("batch", "save_payload", "save_publish"):
             raise ValueError(f"PauseAt: unknown point {point!r}")
         self.point, self.marker, self.release = point, marker, release
-        self.step, self.micro, self.name = step, micro, name
+        self.step, self.micro, self.name, self.rank = step, micro, name, rank
         self.done = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.global_rank != self.rank:  # only one rank pauses (and is signalled or killed)
+            self.done = True
         if self.point == "save_publish":
             from lightning_moe.checkpoint import training
 

@@ -2,7 +2,7 @@
 
 Every run is the tiny MoE benchmark twin (``configs/tiny/moe_benchmark.yaml``: one process, so a strategy that
 applies no FSDP) with checkpointing on, shrunk to 32-token rows and 2 micro-batches per optimizer step, so a
-signal can land inside an accumulation window.
+signal can land inside an accumulation window; in fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ MAX_STEPS = 8
 EXECUTABLE = Path(sys.executable).parent / "lightning-moe"
 SLURM_JOB = "4242"
 HANG_GUARD_S = 600  # only against a hung child: every wait ends on a file or an exit
+# the environment before any in-process run: Lightning sets MASTER_PORT, ranks and seeds in os.environ
+BASE_ENV = dict(os.environ)
 
 
 def overlay(run: Path, name: str, pause: dict | list[dict] | None = None, distributed: bool = True) -> Path:
@@ -38,7 +40,9 @@ def overlay(run: Path, name: str, pause: dict | list[dict] | None = None, distri
         callbacks.append({"class_path": "fault_hooks.PauseAt",
                           "init_args": {"marker": str(run / f"{name}.paused{i}"), **point}})
     config = {
-        "trainer": {"max_steps": MAX_STEPS, "enable_checkpointing": True, "enable_progress_bar": False,
+        # fp32: the two-rank case compares with one process (bf16 weights would round the layouts apart)
+        "trainer": {"max_steps": MAX_STEPS, "precision": "32-true", "enable_checkpointing": True,
+                    "enable_progress_bar": False,
                     "enable_model_summary": False, "logger": False, "default_root_dir": str(run),
                     "callbacks": callbacks,
                     "strategy": {"class_path": "lightning_moe.ParallelStrategy",
@@ -52,7 +56,7 @@ def overlay(run: Path, name: str, pause: dict | list[dict] | None = None, distri
 
 
 def child_env(run: Path, slurm: bool = False) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    env = {**BASE_ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), BASE_ENV.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if slurm:
         bin_dir = run / "bin"

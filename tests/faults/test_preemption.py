@@ -123,3 +123,23 @@ def test_signals_and_kills_resume_to_the_uninterrupted_losses(tmp_path, referenc
         check_complete(checkpoint)
         step, samples = saved_position(checkpoint)
         assert samples == 2 * step, (checkpoint, step, samples)
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_on_one_process(tmp_path, reference):
+    """Two FSDP ranks, SIGTERM to rank 1 only: the ranks agree on the step, save one sharded checkpoint
+    together and exit 143; one process (no FSDP) resumes it and continues the one-process losses (to 1e-5:
+    the reduction order differs between the layouts, so not bitwise)."""
+    two = Run.fit(tmp_path, "ranks", "--trainer.devices", "2",
+                  pause={"point": "batch", "step": 3, "micro": 0, "rank": 1, "release": str(tmp_path / "go")})
+    two.signal_paused(signal.SIGTERM, "go")
+    assert two.finish() == 128 + signal.SIGTERM, two.output()[-4000:]
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    check_complete(hpc)
+    assert len(list(hpc.glob("*.distcp"))) == 2  # one shard file per rank
+    assert saved_position(hpc) == (3, 6)
+    assert two.card()["status"].startswith("preempted: SIGTERM at step 3")
+    one = Run.fit(tmp_path, "one", "--ckpt_path", str(hpc))
+    assert one.finish() == 0, one.output()[-4000:]
+    losses = {**two.losses(), **one.losses()}
+    assert sorted(losses) == list(range(1, MAX_STEPS + 1))
+    assert losses == pytest.approx(reference, rel=1e-5, abs=1e-5)
