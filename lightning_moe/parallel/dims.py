@@ -62,19 +62,21 @@ class ParallelDims:
         check_sizes(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
         check_pp(self.pp)
         others = self.pp * self.dp_replicate * self.cp * self.tp
+        # the pipeline size is named in the messages only when there is a pipeline
+        pp_name, pp_value = ("pp*", f"{self.pp}*") if self.pp > 1 else ("", "")
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ValueError(
-                    f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others} does not "
-                    f"divide the world size {self.world_size}; use sizes whose product divides {self.world_size}"
+                    f"{pp_name}dp_replicate*cp*tp = {pp_value}{self.dp_replicate}*{self.cp}*{self.tp} = {others} does "
+                    f"not divide the world size {self.world_size}; use sizes whose product divides {self.world_size}"
                 )
             self.dp_shard = self.world_size // others
         total = others * self.dp_shard
         if total != self.world_size:
             raise ValueError(
-                f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} "
-                f"= {total} != world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the rest, or "
-                f"sizes that multiply to {self.world_size}"
+                f"{pp_name}dp_replicate*dp_shard*cp*tp = {pp_value}{self.dp_replicate}*{self.dp_shard}*{self.cp}*"
+                f"{self.tp} = {total} != world size {self.world_size} (devices x nodes); set dp_shard=-1 to use the "
+                f"rest, or sizes that multiply to {self.world_size}"
             )
         if self.expert_region % self.ep:
             raise ValueError(

@@ -129,11 +129,13 @@ BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBa
 
 def check_resume(directory: Path, reference: dict) -> list[str]:
     """A ``pp=2`` run of the dense model checkpointed every 3 steps trains like one process; resumed from its
-    step-3 checkpoint with ``pp=2`` and with ``pp=1`` (2-way FSDP), steps 4-6 repeat its losses."""
+    step-3 checkpoint with ``pp=2``, with ``pp=2, vp=2`` (other stages) and with ``pp=1`` (2-way FSDP), steps 4-6
+    repeat its losses."""
     full = fit("llama", {"pp": 2}, directory / "pp2", checkpoint_every=3)
     problems = compare("dense_1f1b (checkpointed)", reference, full)
     checkpoint = next((directory / "pp2" / "ckpt").glob("*step=3.ckpt"))
-    for case, sizes in (("resumed_pp2", {"pp": 2}), ("resumed_pp1_fsdp2", {"dp_shard": 2})):
+    for case, sizes in (("resumed_pp2", {"pp": 2}), ("resumed_pp2_vp2", {"pp": 2, "vp": 2}),
+                        ("resumed_pp1_fsdp2", {"dp_shard": 2})):
         resumed = fit("llama", sizes, directory / case, ckpt_path=str(checkpoint))
         if [s for s, _, _ in resumed["steps"]] != [4, 5, 6]:
             problems.append(f"{case}: resumed steps {[s for s, _, _ in resumed['steps']]}, expected [4, 5, 6]")

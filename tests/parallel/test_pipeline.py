@@ -15,6 +15,7 @@ from parallel_cases import tiny_config
 
 from lightning_moe import ParallelStrategy
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.pipeline import (
     balanced_split,
     check_schedule,
@@ -153,6 +154,9 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
         check_micro_batches(2, 4)
     with pytest.raises(ValueError, match="Linear .* is not split into stages yet: use pp=1"):
         ParallelStrategy(pp=2).parallelize(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 2\*1\*2\*1\*1 = 4 != world size 8"):
+        ParallelDims(pp=2, dp_shard=2, world_size=8)
+    assert ParallelDims(pp=2, ep=2, world_size=8).dp_shard == 4
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
