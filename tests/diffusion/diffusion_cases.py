@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tiny_qwen_image import RESOLUTION, SAMPLE
 
 from lightning_moe import DiffusionModule, ParallelStrategy, TextToImageDataModule
@@ -27,16 +27,20 @@ class StepLosses(Callback):
 
 def fit(pipeline: str, root: str, *, cache: str | None = None, steps: int = 3, fsdp: bool = False, peft=None,
         condition_dropout: float = 0.25, micro_batch_size: int = 2, global_batch_size: int = 4, card: bool = False,
-        **strategy_options):
+        save_every: int | None = None, resume: str | None = None, **strategy_options):
     """``steps`` optimizer steps on the shipped sample (online) or its latent cache; returns the per-step losses,
     the module and the trainer."""
     losses = StepLosses()
     callbacks = [losses] + ([Throughput(), RunCard(print_card=False)] if card else [])
+    if save_every is not None:
+        callbacks.append(ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=save_every,
+                                         save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_steps=steps,
         strategy=ParallelStrategy(dp_shard=2, activation_checkpointing="full") if fsdp
         else ParallelStrategy(**strategy_options),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=save_every is not None, enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=root, callbacks=callbacks,
     )
     module = DiffusionModule(
@@ -47,7 +51,7 @@ def fit(pipeline: str, root: str, *, cache: str | None = None, steps: int = 3, f
     )
     data = TextToImageDataModule(dataset=None if cache else str(SAMPLE), cache_dir=cache, resolution=RESOLUTION,
                                  micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
     return [losses.losses[s] for s in sorted(losses.losses)], module, trainer
 
 

@@ -76,6 +76,31 @@ def test_online_and_cached_encoding_train_alike_and_the_transformer_exports(tiny
     assert not torch.allclose(_predict(start, inputs), trained, atol=1e-4)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_resumed_run_continues_loss_by_loss(tiny_pipeline, tiny_cache, tmp_path, lora):
+    """3 steps straight = 2 steps, a distributed checkpoint (LoRA: adapters only), then the 3rd step resumed."""
+    peft = LoraConfig(r=4, alpha=8.0, target_modules=["to_q", "to_k", "to_v", "to_add_out"]) if lora else None
+    straight, _, _ = fit(str(tiny_pipeline), str(tmp_path / "straight"), cache=str(tiny_cache), peft=peft,
+                         save_every=2)
+    checkpoint = tmp_path / "straight" / "checkpoints" / "epoch=0-step=2.ckpt"
+    resumed, _, _ = fit(str(tiny_pipeline), str(tmp_path / "resumed"), cache=str(tiny_cache), peft=peft,
+                        resume=str(checkpoint))
+    assert checkpoint.is_dir() and len(straight) == 3 and resumed == straight[2:]
+
+
+def test_parameters_no_loss_reaches_are_the_ones_frozen(tiny_pipeline):
+    from diffusers import QwenImageTransformer2DModel
+
+    from lightning_moe.models.diffusion.qwen_image import QwenImageFamily
+
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_pipeline / "transformer")
+    inputs = _fixed_input(transformer.config)
+    QwenImageFamily.predict(transformer, inputs["packed"], inputs["sigmas"], inputs["prompt_embeds"],
+                            inputs["prompt_mask"], inputs["latent_hw"]).square().mean().backward()
+    no_gradient = [n for n, p in transformer.named_parameters() if p.grad is None]
+    assert no_gradient and no_gradient == QwenImageFamily.unused_parameters(transformer)
+
+
 def test_compiled_blocks_with_activation_checkpointing_train_like_eager(tiny_pipeline, tiny_cache, tmp_path):
     from torch._dynamo.utils import counters
 

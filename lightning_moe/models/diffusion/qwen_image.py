@@ -101,6 +101,14 @@ class QwenImageFamily:
         return QwenImagePipeline._pack_latents(latents, b, c, h, w)
 
     @staticmethod
+    def unused_parameters(transformer: nn.Module) -> list[str]:
+        """Parameters no loss reaches: the last block's text-stream output (its ``to_add_out`` and text MLP),
+        since only the image stream goes on to the output layer."""
+        last = f"transformer_blocks.{len(transformer.transformer_blocks) - 1}."
+        prefixes = (f"{last}attn.to_add_out.", f"{last}txt_mlp.")
+        return [name for name, _ in transformer.named_parameters() if name.startswith(prefixes)]
+
+    @staticmethod
     def image_tokens(latent_shape: tuple[int, ...]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 

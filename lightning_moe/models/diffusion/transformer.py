@@ -46,9 +46,9 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
     """The family's transformer with its pipeline's weights; adapters (if ``convert`` adds them) start from
     ``seed``. Master weights are float32 whatever the checkpoint's dtype (FSDP's ``param_dtype`` sets the compute
     dtype)."""
-    from lightning_moe.checkpoint.load import copy_tensors_into
     from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
     from lightning_moe.models.hf import _restore_buffers, materialize, parameters_on_meta
+    from lightning_moe.models.weights import copy_tensors_into
 
     cls = family.transformer_class
     config = cls.load_config(family.transformer_dir)
@@ -57,6 +57,9 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
     model = DiffusionTransformer(transformer, family)
     if convert is not None:
         convert(model.transformer)
+    # never given a gradient: frozen, so optimizers hold no state for them and a resumed run expects none
+    for name in family.unused_parameters(model.transformer):
+        model.transformer.get_parameter(name).requires_grad_(False)
     if parallelize is not None:
         parallelize(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
@@ -74,7 +77,7 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
                          f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} of {cls.__name__}; a partial "
                          f"checkpoint would start those weights at random")
     if any(".lora_" in name for name, _ in model.named_parameters()):
-        from lightning_moe.peft import reset_lora_parameters
+        from lightning_moe.models.lora_init import reset_lora_parameters
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
