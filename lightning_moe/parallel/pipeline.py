@@ -332,12 +332,9 @@ class StageModule(nn.Module):
         return objective
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        losses = []
-        for moe in self.moe_layers():
-            if moe.aux_loss is not None:
-                losses.append(moe.aux_loss)
-                moe.aux_loss = None
-        return torch.stack(losses).sum() if losses else None
+        from lightning_moe.models.decoder import Decoder
+
+        return Decoder._collect_aux_loss(self)  # this stage's MoE layers (moe_layers), as the whole decoder's
 
 
 class PipelinedDecoder(nn.Module):
