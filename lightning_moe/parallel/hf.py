@@ -6,9 +6,10 @@ the output layer's cross entropy stays fused and becomes vocabulary-parallel. Th
 native decoder, driven by the model's repeated blocks (``HFModel.layers``: decoder layers, and vision blocks of
 vision-language models): activation checkpointing per block, and FSDP2/HSDP ``fully_shard`` per block and on
 the root, whose group keeps the embeddings, final norm, output layer and whatever is not a block (e.g. a vision
-projector). Refused before anything is built: context and expert parallelism (they need the native modules'
-sequence split and expert dispatcher), tensor parallelism together with FSDP, and plans with styles whose
-weights are not plain row or column slices (packed or expert layouts).
+projector); under tensor parallelism FSDP shards the tensor-parallel DTensors over the data-parallel ranks
+(2-D). Refused before anything is built: context and expert parallelism (they need the native modules'
+sequence split and expert dispatcher), and plans with styles whose weights are not plain row or column slices
+(packed or expert layouts).
 """
 
 from __future__ import annotations
@@ -34,10 +35,6 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
                              f"(FSDP2/HSDP), its own tensor-parallel plan and activation checkpointing apply; use "
                              f"{key}=1, or a natively supported architecture")
     if dims.tp > 1:
-        if dims.fsdp_enabled:
-            raise ValueError(f"tp={dims.tp} with {dims.dp_cp_size} data-parallel ranks: {name} runs through "
-                             f"transformers, where tensor parallelism is not combined with FSDP; use tp=1 (FSDP "
-                             f"only) or a world of tp ranks")
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
         raise ValueError(f"{name}: no repeated blocks found to shard (no _no_split_modules and no ModuleList)")

@@ -195,7 +195,6 @@ def test_checkpoint_problems_are_named(next_dir, tmp_path):
     ({"dp_shard": 2, "ep": 2}, r"ep=2: Qwen3NextForCausalLM runs through transformers .* use ep=1"),
     ({"tp": 2}, r"tp=2: Qwen3NextForCausalLM's tp_plan uses moe_tp_experts, packed_colwise, which the generic "
                 r"path does not split .* use tp=1"),
-    ({"tp": 2, "dp_shard": 2}, r"tp=2 with 2 data-parallel ranks: .* not combined with FSDP"),
 ])
 def test_parallel_layouts_the_generic_path_does_not_split_are_refused(next_dir, sizes, message):
     from lightning_moe.parallel import ParallelDims

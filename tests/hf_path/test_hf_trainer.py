@@ -117,6 +117,25 @@ def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path):
     assert record["losses"] == pytest.approx(single, abs=1e-5)
 
 
+@pytest.mark.distributed
+def test_tensor_parallel_with_fsdp_matches_one_process(tmp_path):
+    """tp=2 x dp_shard=2 on four ranks: the model's own tp_plan, then FSDP2 over the data-parallel pairs (2-D
+    DTensors); five steps' losses equal one process's."""
+    import transformers as t
+
+    config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model_dir = str(save_tiny(config, tmp_path / "qwen3"))
+    single, _ = trainer_cases.fit(model_dir, str(tmp_path / "single"), steps=5, native="never")
+    root = tmp_path / "tp_fsdp"
+    root.mkdir()
+    run_distributed_test(trainer_cases.fit_tensor_parallel, 4, model_dir, str(root), {"tp": 2, "dp_shard": 2}, 5,
+                         init_process_group=False)
+    record = json.loads((root / "losses.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in record["sharded"]
+    assert len(record["losses"]) == 5 and record["losses"] == pytest.approx(single, abs=1e-5)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_run_of_a_native_family_named_by_hf_exports_what_it_trained(lora, tmp_path):
     """``model: {hf: DIR}`` of an architecture with a native family trains the native decoder from DIR; the run's

@@ -77,9 +77,10 @@ def fit_fsdp_and_export(model_dir: str, root: str) -> None:
         (out / "losses.json").write_text(json.dumps({"losses": losses, "sharded_parameters": sharded}))
 
 
-def fit_tensor_parallel(model_dir: str, root: str) -> None:
-    """2-way tensor parallelism with the model's own tp_plan (a dense model forced through transformers)."""
-    losses, module = fit(model_dir, root, {"tp": 2}, native="never")
+def fit_tensor_parallel(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2) -> None:
+    """2-way tensor parallelism with the model's own tp_plan (a dense model forced through transformers), and with
+    FSDP over the other ranks when ``sizes`` say so."""
+    losses, module = fit(model_dir, root, sizes or {"tp": 2}, steps=steps, native="never")
     sharded = {n for n, p in module.model.hf.named_parameters() if type(p).__name__ == "DTensor"}
     if dist.get_rank() == 0:
         (Path(root) / "losses.json").write_text(json.dumps({"losses": losses, "sharded": sorted(sharded)}))
