@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"imported {args.hf_path} -> {out}")
         elif args.action == "export":
-            from lightning_moe.checkpoint.run import export_run, is_run_checkpoint
+            from lightning_moe.checkpoint.run import is_run_checkpoint
+            from lightning_moe.workflows.run_export import export_run
 
             if distributed(args.ep, "export", args.distributed_save):
                 from lightning_moe.checkpoint import distributed_convert as dc
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             print(f"exported {args.ckpt} -> {out}")
         elif args.action == "export-lora":
-            from lightning_moe.peft.run_export import export_lora_run
+            from lightning_moe.workflows.run_export import export_lora_run
 
             for out in export_lora_run(args.ckpt, adapter_out=args.adapter_out, merged_out=args.merged_out,
                                        dtype=DTYPES.get(args.dtype), overwrite=args.overwrite):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,10 +11,10 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.checkpoint.files import copy_aux_files
 from lightning_moe.checkpoint.quantized import check_method, fp8_block_size, quantized_hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir, ShardedWriter
 from lightning_moe.checkpoint.source import (
-    AUX_FILES,
     HF_CONFIG,
     NATIVE_CONFIG,
     ORIGINAL_HF_CONFIG,
@@ -26,15 +25,6 @@ from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, family_by_name
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
-
-
-def copy_aux_files(source: Path, destination: Path) -> list[str]:
-    copied = []
-    for name in AUX_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, destination / name)
-            copied.append(name)
-    return copied
 
 
 def import_hf_checkpoint(hf_dir: str | Path, out: str | Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,

@@ -10,36 +10,19 @@ checkpoint fails at once with the offending tensor named.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.files import HF_CONFIG, read_json
 from lightning_moe.checkpoint.quantized import hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config
 
-HF_CONFIG = "config.json"
 NATIVE_CONFIG = "model_config.json"
 ORIGINAL_HF_CONFIG = "hf_config.json"
-# files that travel with the weights (tokenizer, generation settings, processors)
-AUX_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json",
-)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path.parent}: missing {path.name}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: invalid JSON ({err})") from err
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, torch.Tensor]:

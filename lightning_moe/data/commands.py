@@ -143,7 +143,7 @@ def _index(args: argparse.Namespace) -> dict:
 
 
 def _cache_latents(args: argparse.Namespace) -> dict:
-    from lightning_moe.data.latent_cache import build_latent_cache
+    from lightning_moe.data.text_to_image import build_latent_cache
 
     return build_latent_cache(
         args.dataset, args.model, args.output, resolution=args.resolution, split=args.split, revision=args.revision,

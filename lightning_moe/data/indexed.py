@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_moe.data.array_cache import cached_arrays
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 HEADER_SIZE = 9 + 8 + 1 + 8 + 8
@@ -140,8 +142,6 @@ class IndexedDataset:
 
         if cache_dir is None:
             return int(scan()["max"][0])
-        from lightning_moe.data.gpt_sampling import cached_arrays
-
         bin_path = os.path.realpath(self.path_prefix + ".bin")
         stat = os.stat(bin_path)
         key = {"bin": bin_path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

@@ -14,6 +14,7 @@ Rows are checked once at setup (every image decoded, every caption read): a bad 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.formats import RowError
 from lightning_moe.data.image_caption import ImageCaptionRows
-from lightning_moe.data.latent_cache import LatentCacheDataset, pad_prompts
+from lightning_moe.data.latent_cache import LatentCacheDataset, pad_prompts, write_latent_cache
+from lightning_moe.models.diffusion import DiffusionModelConfig, load_family
 
 
 class ImageCaptionDataset(Dataset):
@@ -125,3 +127,25 @@ class TextToImageDataModule(BaseDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
         return self._train_loader(self.train_data, collate_latents if self.cached else collate_images)
+
+
+def build_latent_cache(dataset: str, model: str, output: str | Path, *, resolution: int = 1024, split: str = "train",
+                       revision: str | None = None, image_column: str = "image", caption_column: str = "text",
+                       bad_rows: str = "error", batch_size: int = 8, device: str = "cpu", family: str = "auto",
+                       encoder_dtype: str = "bfloat16", max_sequence_length: int = 1024,
+                       overwrite: bool = False) -> dict[str, Any]:
+    """Check every row of ``dataset``, then encode the usable ones with the frozen encoders of the pipeline
+    ``model`` into the cache folder ``output`` (what ``lightning-moe data cache-latents`` runs)."""
+    config = DiffusionModelConfig(path=model, family=family, encoder_dtype=encoder_dtype,
+                                  max_sequence_length=max_sequence_length)  # refuses unimplemented families
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    if Path(output).exists() and not overwrite and any(Path(output).iterdir()):
+        raise FileExistsError(f"output {output} already exists and is not empty (pass --overwrite to replace it)")
+    data = TextToImageDataModule(dataset=dataset, split=split, revision=revision, resolution=resolution,
+                                 image_column=image_column, caption_column=caption_column, bad_rows=bad_rows)
+    rows, kept, fingerprint = data.load_rows()  # every row checked before the (slow) encoder load
+    encoders = load_family(config).encoders(device)
+    meta = write_latent_cache(output, rows, encoders, kept, batch_size=batch_size, source_fingerprint=fingerprint,
+                              overwrite=overwrite)
+    return {"output": str(output), "skipped_rows": len(rows) - len(kept), **meta}

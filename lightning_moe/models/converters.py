@@ -1,22 +1,28 @@
 """Model converters, applied to the meta-device model before parallelism (in this order): FP8/MXFP8 training
-layers (torchao), LoRA adapters (peft), then freezing by name pattern."""
+layers (``precision.Float8Config``), LoRA adapters (``peft.LoraConfig``), then freezing by name pattern.
+
+A converter is a config object with ``convert(model)``, as torchtitan's model converters: this layer names the
+order without importing the converters' packages, which build on the models.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from torch import nn
 
+from lightning_moe.models.freeze import freeze_parameters
 
-def apply_converters(model: nn.Module, fp8=None, peft=None, freeze: list[str] | None = None) -> None:
+
+class Converter(Protocol):
+    def convert(self, model: nn.Module) -> Any: ...
+
+
+def apply_converters(model: nn.Module, fp8: Converter | None = None, peft: Converter | None = None,
+                     freeze: list[str] | None = None) -> None:
     """``fp8``: a ``Float8Config``; ``peft``: a ``LoraConfig``; ``freeze``: parameter-name patterns."""
-    if fp8 is not None:
-        from lightning_moe.precision import apply_float8
-
-        apply_float8(model, fp8)
-    if peft is not None:
-        from lightning_moe.peft import apply_lora
-
-        apply_lora(model, peft)
+    for converter in (fp8, peft):
+        if converter is not None:
+            converter.convert(model)
     if freeze:
-        from lightning_moe.peft import freeze_parameters
-
         freeze_parameters(model, freeze)

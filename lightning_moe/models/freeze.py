@@ -1,4 +1,4 @@
-"""Freeze parameters by name pattern (embeddings, a vision tower, ...) for full fine-tuning.
+"""Freeze parameters by name pattern (embeddings, a vision tower, ...) for full fine-tuning (re-exported by peft).
 
 Patterns are regular expressions that must match a whole native parameter name (``embed\\..*``,
 ``layers\\.[0-3]\\..*``); adapter wrapping (``base_layer``) is ignored, so the names are the checkpoint's.

@@ -22,8 +22,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_moe.checkpoint.files import HF_CONFIG, read_json
+from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
-from lightning_moe.models.layers.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
+from lightning_moe.models.families import family_for_hf_config
+from lightning_moe.models.hf_weights import load_hf_weights
+from lightning_moe.models.layers.loss import (
+    IGNORE_INDEX,
+    cross_entropy_sum,
+    linear_cross_entropy,
+    vocab_parallel_loss,
+)
+from lightning_moe.models.lora_init import reset_lora_parameters
 
 TASKS = ("causal-lm", "image-text-to-text")
 # config keys of heads that transform logits after the output GEMM (softcapping, scaling): those models
@@ -93,8 +103,6 @@ def resolve_model_dir(cfg: HFModelConfig) -> Path:
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
-    from lightning_moe.checkpoint.source import HF_CONFIG, read_json
-
     return read_json(directory / HF_CONFIG)
 
 
@@ -116,8 +124,6 @@ def check_remote_code(cfg: HFModelConfig, config_json: dict[str, Any]) -> None:
 
 def native_family(config_json: dict[str, Any]):
     """The native family of this architecture, or None."""
-    from lightning_moe.models.families import family_for_hf_config
-
     try:
         return family_for_hf_config(config_json)
     except ValueError:
@@ -286,8 +292,6 @@ class HFModel(nn.Module):
             with output_layer_inputs(head) as hidden:
                 out = self.hf(**kwargs)
             if type(head.weight).__name__ == "DTensor":  # vocabulary split over tensor-parallel ranks
-                from lightning_moe.parallel.hf import vocab_parallel_loss
-
                 loss_sum, count = vocab_parallel_loss(hidden[-1], head.weight, labels, self.loss_chunk_size)
             else:
                 loss_sum, count = linear_cross_entropy(hidden[-1], head.weight, labels, self.loss_chunk_size)
@@ -337,8 +341,6 @@ def hf_converters(fp8=None, peft=None, freeze: list[str] | None = None) -> Calla
         return None
 
     def convert(model: HFModel) -> None:
-        from lightning_moe.models.converters import apply_converters
-
         apply_converters(model.hf, fp8, peft, freeze)
 
     return convert
@@ -382,12 +384,8 @@ def build_hf_model(
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     materialize(model, device)
     _restore_buffers(model, buffers, device)
-    from lightning_moe.checkpoint.hf_model import load_hf_weights
-
     load_hf_weights(model.hf, directory)
     if any(".lora_" in name for name, _ in model.named_parameters()):
-        from lightning_moe.peft import reset_lora_parameters
-
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             reset_lora_parameters(model)

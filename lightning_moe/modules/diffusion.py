@@ -108,7 +108,7 @@ class DiffusionModule(L.LightningModule):
     # ------------------------------------------------------------------ construction
     def _load_family(self):
         if self.family is None:
-            from lightning_moe.models.diffusion.config import load_family
+            from lightning_moe.models.diffusion.family import load_family
 
             self.family = load_family(self.model_config)
         return self.family

@@ -26,6 +26,7 @@ from lightning_moe.parallel.pipeline import (
     split_model,
     stage_indices,
 )
+from lightning_moe.parallel.splits import check_micro_batches
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -224,16 +225,6 @@ class PipelineRunner:
         for t in tensors:
             dist.recv(t, peer, group=self.group)
         return tensors
-
-
-def check_micro_batches(micro_batches: int, pp: int) -> None:
-    """Refuse, before the first step, a micro-batch count the pipeline cannot fill."""
-    if micro_batches < pp:
-        raise ValueError(
-            f"pp={pp} pipeline stages need at least {pp} micro-batches per step, got {micro_batches} "
-            f"(global_batch_size / (micro_batch_size x data-parallel size)); raise global_batch_size to at least "
-            f"{pp} x micro_batch_size x data-parallel size"
-        )
 
 
 def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

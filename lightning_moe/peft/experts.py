@@ -9,18 +9,12 @@ adapted ``[E, out, in]`` weights are never materialized and the frozen weights g
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.models.layers.moe import GroupedExperts, grouped_mm
-
-
-def lora_a_bound(fan_in: int) -> float:
-    """peft's init of A (kaiming-uniform with a=sqrt(5)) is uniform in +-1/sqrt(fan_in)."""
-    return 1.0 / math.sqrt(fan_in)
+from lightning_moe.models.lora_init import lora_a_bound
 
 
 def fused_input_projection(experts: GroupedExperts) -> str:

@@ -29,8 +29,9 @@ from torch import nn
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.families.base import TensorMap
-from lightning_moe.models.hf_names import HubNames
+from lightning_moe.models.hf_weights import HubNames
 from lightning_moe.models.layers.moe import GroupedExperts
+from lightning_moe.models.weights import copy_tensors_into
 from lightning_moe.peft.experts import ExpertLora, fused_input_projection
 from lightning_moe.peft.lora import ADAPTER_NAME, is_adapter_parameter, lora_modules
 from lightning_moe.peft.merge import full_tensor
@@ -361,8 +362,6 @@ def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dic
     """Copy a Hugging Face PEFT adapter into the model's adapters (same targets, rank and alpha).
     Returns the number of tensors loaded."""
     from safetensors import safe_open
-
-    from lightning_moe.checkpoint.load import copy_tensors_into
 
     directory = Path(adapter_dir)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

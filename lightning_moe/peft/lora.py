@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from lightning_moe.models.layers.moe import GroupedExperts
-from lightning_moe.peft.experts import ExpertLora, lora_a_bound
+from lightning_moe.models.lora_init import reset_lora_parameters  # noqa: F401  (part of this module's API)
+from lightning_moe.peft.experts import ExpertLora
 
 ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"
@@ -55,6 +56,10 @@ class LoraConfig:
     include_mtp: bool = False
     base_dtype: str | None = None
     adapter_path: str | None = None
+
+    def convert(self, model: nn.Module) -> LoraTargets:
+        """The converter step (``models.converters``): adapters on the meta-device model, everything else frozen."""
+        return apply_lora(model, self)
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -194,29 +199,6 @@ def _cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
         for leaf, param in module._parameters.items():
             if param is not None and not param.requires_grad and param.is_floating_point():
                 module._parameters[leaf] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
-
-
-@torch.no_grad()
-def reset_lora_parameters(model: nn.Module) -> int:
-    """Initialize every adapter (after ``to_empty``) as peft does: A uniform in +-1/sqrt(fan_in), B zero.
-
-    Values are drawn whole on the CPU, each adapter from a generator seeded by a draw of the torch RNG and its name,
-    and each rank keeps its shard, so the adapters are the same whatever the parallel layout (pipeline stages,
-    which hold some of the adapters, included). Returns the number of adapter tensors."""
-    from lightning_moe.checkpoint.load import copy_tensors_into
-    from lightning_moe.models.seeded_init import module_seed
-
-    seed = int(torch.randint(0, 2**62, ()))
-    values = []
-    for name, param in model.named_parameters():
-        if ".lora_A" in name:
-            bound = lora_a_bound(param.shape[-1])
-            generator = torch.Generator().manual_seed(module_seed(seed, name))
-            values.append((name, torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound,
-                                                                                         generator=generator)))
-        elif ".lora_B" in name:
-            values.append((name, torch.zeros(param.shape)))
-    return copy_tensors_into(model, values)
 
 
 def lora_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -63,6 +63,10 @@ class Float8Config:
     min_dim: int = 512
     fsdp_float8_all_gather: bool = False
 
+    def convert(self, model: nn.Module) -> Float8Report:
+        """The converter step (``models.converters``): FP8 / MXFP8 training layers in place."""
+        return apply_float8(model, self)
+
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise ValueError(f"fp8.recipe {self.recipe!r} is unknown; recipes: {', '.join(RECIPES)}")

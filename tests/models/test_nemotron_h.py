@@ -355,14 +355,9 @@ def test_lora_adapts_mamba_experts_and_mtp_layers(tmp_path):
     loading the merged export (backbone logits), and a plain model holding the merged weights (MTP losses)."""
     import transformers
 
+    from lightning_moe.checkpoint.merged_export import export_merged_hf
     from lightning_moe.models.decoder import Decoder
-    from lightning_moe.peft import (
-        LoraConfig,
-        apply_lora,
-        export_merged_hf,
-        merged_state_dict,
-        reset_lora_parameters,
-    )
+    from lightning_moe.peft import LoraConfig, apply_lora, merged_state_dict, reset_lora_parameters
 
     cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
     with torch.device("meta"):

@@ -10,6 +10,7 @@ import torch
 from tiny_hf import save_tiny
 
 from lightning_moe.checkpoint.load import copy_tensors_into
+from lightning_moe.checkpoint.merged_export import export_merged_hf
 from lightning_moe.checkpoint.source import open_checkpoint
 from lightning_moe.models.config import MTPConfig
 from lightning_moe.models.decoder import Decoder
@@ -17,7 +18,6 @@ from lightning_moe.peft import (
     LoraConfig,
     apply_lora,
     export_hf_adapter,
-    export_merged_hf,
     load_hf_adapter,
     reset_lora_parameters,
 )

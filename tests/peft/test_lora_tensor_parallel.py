@@ -14,7 +14,7 @@ from lora_tensor_parallel_cases import STEPS, fit_lora
 from safetensors.torch import load_file
 from tiny_hf import save_tiny
 
-from lightning_moe.peft.run_export import export_lora_run
+from lightning_moe.workflows.run_export import export_lora_run
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ import torch
 from distributed_harness import run_distributed_test
 from tiny_hf import save_tiny
 
-from lightning_moe.peft.run_export import export_lora_run, load_lora_run
+from lightning_moe.workflows.run_export import export_lora_run, load_lora_run
 
 pytestmark = pytest.mark.distributed
 

@@ -2,7 +2,8 @@
 (``qwen_image.py``), the trained transformer (``transformer.py``), the flow-matching targets (``flow_matching.py``)
 and the export of the result (``export.py``). diffusers is imported only by the functions that use it."""
 
-from lightning_moe.models.diffusion.config import DiffusionModelConfig, load_family
+from lightning_moe.models.diffusion.config import DiffusionModelConfig
+from lightning_moe.models.diffusion.family import load_family
 from lightning_moe.models.diffusion.flow_matching import FlowMatchingConfig
 
 __all__ = ["DiffusionModelConfig", "FlowMatchingConfig", "load_family"]

@@ -113,14 +113,4 @@ def detect_family(directory: Path) -> str:
     raise FileNotFoundError(f"{directory}: no model_index.json")
 
 
-def load_family(cfg: DiffusionModelConfig):
-    """The family object of ``cfg`` (its folder resolved)."""
-    directory = resolve_pipeline_dir(cfg)
-    family = detect_family(directory) if cfg.family == "auto" else cfg.family
-    refuse_unimplemented(family)
-    from lightning_moe.models.diffusion.qwen_image import QwenImageFamily
-
-    return QwenImageFamily(directory, cfg)
-
-
 torch.serialization.add_safe_globals([DiffusionModelConfig])

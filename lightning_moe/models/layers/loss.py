@@ -11,6 +11,8 @@ Labels are already shifted (``labels[t]`` is the target of position ``t``); -100
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 IGNORE_INDEX = -100
 
@@ -182,3 +184,15 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def vocab_parallel_loss(hidden: torch.Tensor, weight, labels: torch.Tensor,
+                        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused cross entropy of replicated ``hidden`` against an output weight split by vocabulary rows (a DTensor):
+    local logits, all-reduced softmax statistics; each rank's ``hidden`` gradient covers its rows only, so the
+    backward sums them over the tensor-parallel ranks."""
+    mesh = weight.device_mesh
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return linear_cross_entropy(hidden, weight.to_local(), labels, chunk_size, vocab_group=mesh.get_group(),
+                                vocab_start=offset[0])
