@@ -238,7 +238,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if data is not None:
             self.parallel_dims.check_data_module(data)
             if self.pipeline_parallel and isinstance(getattr(data, "micro_batch_size", None), int):
-                from lightning_moe.modules.pipeline_step import check_micro_batches
+                from lightning_moe.parallel.splits import check_micro_batches
 
                 dims = self.parallel_dims
                 rows = data.micro_batch_size * dims.dp_size
