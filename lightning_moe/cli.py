@@ -73,7 +73,13 @@ def run_training_cli(argv: list[str] | None) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_moe.checkpoint.training import check_resume_path
+
     class CLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            # a wrong or incomplete --ckpt_path is named now, not after the model is built
+            check_resume_path(self.config[self.subcommand].get("ckpt_path"))
+
         def instantiate_trainer(self, **kwargs):
             trainer = super().instantiate_trainer(**kwargs)
             trainer.callbacks[:] = replace_lightning_defaults(add_missing_callbacks(list(trainer.callbacks)))

@@ -104,6 +104,14 @@ def check_complete(path: str | Path, trainer_state: bool = True) -> None:
     _check_zip(extra, "checkpoint trainer state")
 
 
+def check_resume_path(path: str | Path | None) -> None:
+    """``check_complete`` for a Trainer's ``ckpt_path``, except Lightning's names (``last``, ``hpc``, ``best``) and
+    remote URLs, which Lightning resolves itself."""
+    if path is None or str(path) in ("last", "hpc", "best") or "://" in str(path):
+        return
+    check_complete(path)
+
+
 def read_dcp_metadata(path: str | Path) -> Any:
     """The ``.metadata`` index of DCP directory ``path``; a corrupt one is an error naming it."""
     index = Path(path) / DCP_METADATA

@@ -93,10 +93,11 @@ def test_pack_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
     ("", r"empty\.jsonl: empty, no JSON lines"),
     ('{"id": "a", "messages": []}\n{"id": "b", "messages": [}\n', r"empty\.jsonl line 2: not valid JSON"),
     ('{"id": "a"}\n[1, 2]\n', r"empty\.jsonl line 2: a JSON list, not an object"),
+    (b'{"id": "a"}\n{"id": "\xff"}\n', r"empty\.jsonl line 2: not UTF-8 text"),
 ])
 def test_empty_or_malformed_jsonl_names_file_and_line(tmp_path, capsys, text, message):
     path = tmp_path / "empty.jsonl"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     out = tmp_path / "packed"
     assert main(["data", "pack", "--dataset", str(path), "--tokenizer", TOKENIZER, "--preset", "tulu3",
                  "--packed-sequence-size", "256", "--output", str(out)]) == 1
@@ -117,8 +118,10 @@ def test_non_finite_learning_rate_is_refused_at_configuration(tmp_path):
 
 
 def test_wrong_or_incomplete_checkpoints_name_the_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nowhere\.ckpt does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint .*nowhere\.ckpt does not exist") as error:
         fit(tmp_path, None, "--ckpt_path", str(tmp_path / "nowhere.ckpt"))
+    # refused while the command line is read, not once the model is built and the trainer restores
+    assert not {"_fit_impl", "load_checkpoint"} & {entry.name for entry in error.traceback}
 
     import torch.distributed.checkpoint as dcp
 
