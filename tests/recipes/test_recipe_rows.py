@@ -129,33 +129,38 @@ def test_recipe_matches_its_row_or_lists_the_difference(recipe):
 
 @pytest.fixture
 def planted(tmp_path):
-    """A copy of a recipe with one edit, outside configs/ (``CONFIGS / absolute path`` is that path)."""
-    def plant(recipe: str, old: str, new: str) -> str:
+    """A copy of a recipe with edits (``(old, new)`` pairs), outside configs/ (``CONFIGS / absolute path`` is that
+    path)."""
+    def plant(recipe: str, *edits: tuple[str, str]) -> str:
         text = (CONFIGS / recipe).read_text()
-        assert old in text, f"{old!r} not in {recipe}"
+        for old, new in edits:
+            assert old in text, f"{old!r} not in {recipe}"
+            text = text.replace(old, new, 1)
         path = tmp_path / f"planted_{len(list(tmp_path.iterdir()))}.yaml"
-        path.write_text(text.replace(old, new, 1))
+        path.write_text(text)
         return str(path)
 
     return plant
 
 
+def entry(field: str, row: object, recipe: object) -> str:
+    return (f"# Differences:\n#   - field: {field}\n#     row: {row}\n#     recipe: {recipe}\n#     reason: >-\n"
+            f"#       planted\n# CPU twin:")
+
+
 def test_planted_differences_fail(planted):
     base = "qwen3_moe/qwen3_moe_30b_benchmark.yaml"
     assert problems(base) == []
-    batch = planted(base, "global_batch_size: 512", "global_batch_size: 256")
-    assert problems(batch) == ["global_batch_size: the row has 512, the recipe 256, and no Differences entry says why"]
-    assert [p.split(":")[0] for p in problems(planted(base, "ep: 8", "ep: 4"))] == ["ep"]
-    listed = planted(base, "# CPU twin:", "# Differences:\n#   - field: ep\n#     row: 8\n#     recipe: 4\n"
-                     "#     reason: >-\n#       planted\n# CPU twin:")
-    assert problems(listed) == ["ep: listed as a difference (row 8, recipe 4) but the recipe and the row agree (8): "
-                                "drop the entry"]
-
-    lora = "llama/llama3_70b_lora_benchmark.yaml"
-    assert problems(lora) == []
-    tp = next(e for e in differences_block(lora) if e["field"] == "tp")
-    unlisted = planted(lora, "#   - field: tp\n", "#   - field: tp_elsewhere\n")
-    assert problems(unlisted) == [
-        f"tp: the row has {tp['row']}, the recipe {tp['recipe']}, and no Differences entry says why"]
-    wrong = planted(lora, f"#   - field: tp\n#     row: {tp['row']}\n", "#   - field: tp\n#     row: 3\n")
-    assert problems(wrong) == [f"tp: the entry says row 3 / recipe {tp['recipe']}, they are {tp['row']} / {tp['recipe']}"]
+    batch = ("global_batch_size: 512", "global_batch_size: 256")
+    assert problems(planted(base, batch)) == [
+        "global_batch_size: the row has 512, the recipe 256, and no Differences entry says why"]
+    assert [p.split(":")[0] for p in problems(planted(base, ("ep: 8", "ep: 4")))] == ["ep"]
+    # listed with the actual values: accepted; under another field name or with other values: not
+    assert problems(planted(base, batch, ("# CPU twin:", entry("global_batch_size", 512, 256)))) == []
+    assert problems(planted(base, batch, ("# CPU twin:", entry("batch", 512, 256)))) == [
+        "global_batch_size: the row has 512, the recipe 256, and no Differences entry says why"]
+    assert problems(planted(base, batch, ("# CPU twin:", entry("global_batch_size", 511, 256)))) == [
+        "global_batch_size: the entry says row 511 / recipe 256, they are 512 / 256"]
+    # listed but no longer a difference (the recipe now runs as published): the entry must go
+    assert problems(planted(base, ("# CPU twin:", entry("ep", 8, 4)))) == [
+        "ep: listed as a difference (row 8, recipe 4) but the recipe and the row agree (8): drop the entry"]
