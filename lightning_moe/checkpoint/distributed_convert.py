@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,23 +32,20 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
-from lightning_moe.checkpoint.distributed import STATE_DICT, DistributedCheckpointState
+from lightning_moe.checkpoint.distributed import STATE_DICT
 from lightning_moe.checkpoint.safetensors_io import ShardedWriter, final_shard_names, name_shards
 from lightning_moe.checkpoint.source import (
     HF_CONFIG,
     NATIVE_CONFIG,
     ORIGINAL_HF_CONFIG,
+    DistributedNativeCheckpoint,
     HFCheckpoint,
     NativeCheckpoint,
-    _summarize,
     expected_tensors,
-    read_json,
 )
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import TensorMap, family_by_name
 from lightning_moe.parallel.dims import ParallelDims
-
-DCP_METADATA = ".metadata"
 
 
 def launched_ranks() -> int:
@@ -197,38 +193,6 @@ def import_hf_checkpoint_distributed(hf_dir: str | Path, out: str | Path, layout
     finally:
         staging.close(error)
     return out
-
-
-class DistributedNativeCheckpoint:
-    """What the distributed import writes: native tensors in a DCP directory, read one at a time (full) or, on
-    the ranks of a distributed export, each rank's part at once."""
-
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        self.config = ModelConfig.load(self.directory / NATIVE_CONFIG)
-        original = self.directory / ORIGINAL_HF_CONFIG
-        self.hf_config = read_json(original) if original.exists() else None
-        self.family = family_by_name(self.config.family)
-        self.state = DistributedCheckpointState(self.directory)
-        expected = expected_tensors(self.config)
-        missing = sorted(set(expected) - set(self.state))
-        unexpected = sorted(set(self.state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"{self.directory}: " + "; ".join(
-                part for part in (missing and f"missing tensor(s) {_summarize(missing)}",
-                                  unexpected and f"unexpected tensor(s) {_summarize(unexpected)}") if part))
-        self.names = list(expected)
-
-    def get_native(self, name: str) -> torch.Tensor:
-        return self.state[name]
-
-    def iter_native(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.names:
-            yield name, self.state[name]
-
-
-def is_distributed_native(path: Path) -> bool:
-    return (path / NATIVE_CONFIG).exists() and (path / DCP_METADATA).exists()
 
 
 def local_natives(source, stacks: list[TensorMap], owned: list[TensorMap], layout: ConversionLayout

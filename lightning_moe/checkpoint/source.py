@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from lightning_moe.checkpoint.distributed import DistributedCheckpointState
 from lightning_moe.checkpoint.files import HF_CONFIG, read_json
 from lightning_moe.checkpoint.quantized import hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.checkpoint.training import DCP_METADATA
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config
 
@@ -124,6 +126,38 @@ class NativeCheckpoint:
             yield name, self.reader.get(name)
 
 
+class DistributedNativeCheckpoint:
+    """What the distributed import writes: native tensors in a DCP directory, read one at a time (full) or, on
+    the ranks of a distributed export, each rank's part at once."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.config = ModelConfig.load(self.directory / NATIVE_CONFIG)
+        original = self.directory / ORIGINAL_HF_CONFIG
+        self.hf_config = read_json(original) if original.exists() else None
+        self.family = family_by_name(self.config.family)
+        self.state = DistributedCheckpointState(self.directory)
+        expected = expected_tensors(self.config)
+        missing = sorted(set(expected) - set(self.state))
+        unexpected = sorted(set(self.state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{self.directory}: " + "; ".join(
+                part for part in (missing and f"missing tensor(s) {_summarize(missing)}",
+                                  unexpected and f"unexpected tensor(s) {_summarize(unexpected)}") if part))
+        self.names = list(expected)
+
+    def get_native(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    def iter_native(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names:
+            yield name, self.state[name]
+
+
+def is_distributed_native(path: Path) -> bool:
+    return (path / NATIVE_CONFIG).exists() and (path / DCP_METADATA).exists()
+
+
 def open_checkpoint(path: str | Path):
     """A native checkpoint (``model_config.json``: safetensors, or the distributed import's DCP files) or a
     Hugging Face directory (``config.json``)."""
@@ -131,11 +165,6 @@ def open_checkpoint(path: str | Path):
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
     if (path / NATIVE_CONFIG).exists():
-        from lightning_moe.checkpoint.distributed_convert import (
-            DistributedNativeCheckpoint,
-            is_distributed_native,
-        )
-
         return DistributedNativeCheckpoint(path) if is_distributed_native(path) else NativeCheckpoint(path)
     if (path / HF_CONFIG).exists():
         return HFCheckpoint(path)
