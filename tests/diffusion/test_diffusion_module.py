@@ -43,7 +43,7 @@ def test_flow_matching_loss_falls_on_a_fixed_batch(tiny_pipeline):
     data = TextToImageDataModule(dataset=str(SAMPLE), resolution=RESOLUTION)
     data.setup()
     inputs = module.flow_inputs(collate_images([data.train_data[i] for i in range(4)]))  # noise drawn once
-    optimizer = torch.optim.AdamW(module.model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(module.model.parameters(), lr=3e-3, fused=True)
     losses = []
     for _ in range(30):
         loss = module.loss(inputs).mean()
