@@ -28,6 +28,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_moe tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache
