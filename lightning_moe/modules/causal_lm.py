@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_moe.checkpoint.load import copy_tensors_into
+from lightning_moe.checkpoint.source import open_checkpoint
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -28,7 +30,14 @@ from lightning_moe.models.config import (
 )
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder, LossOutput
-from lightning_moe.models.hf import HFModel, HFModelConfig
+from lightning_moe.models.hf import (
+    HFModel,
+    HFModelConfig,
+    build_hf_model,
+    hf_converters,
+    native_checkpoint_dir,
+)
+from lightning_moe.models.layers.moe import MoE, update_expert_bias
 from lightning_moe.modules.optim import (
     OptimizerConfig,
     SchedulerConfig,
@@ -36,10 +45,21 @@ from lightning_moe.modules.optim import (
     build_scheduler,
     check_finite,
 )
+from lightning_moe.modules.pipeline_step import (
+    build_pipelined_decoder,
+    pipelined_eval_step,
+    pipelined_training_step,
+)
 from lightning_moe.modules.rng import gather_rng_states, restore_rng_states
 from lightning_moe.modules.step_stats import StepStats
-from lightning_moe.peft import LoraConfig
+from lightning_moe.peft import (
+    LoraConfig,
+    keep_checkpoints_adapter_only,
+    load_hf_adapter,
+    reset_lora_parameters,
+)
 from lightning_moe.precision import Float8Config
+from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
 
 
 def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
@@ -58,16 +78,10 @@ def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, paralleliz
         torch.manual_seed(seed)
         model.init_weights(seed)
         if peft is not None:
-            from lightning_moe.peft import reset_lora_parameters
-
             reset_lora_parameters(model)
     if source is not None:
-        from lightning_moe.checkpoint.load import copy_tensors_into
-
         copy_tensors_into(model, source.iter_native())
     if peft is not None and peft.adapter_path is not None:
-        from lightning_moe.peft import load_hf_adapter
-
         load_hf_adapter(model, Path(peft.adapter_path).expanduser(), hf_config=getattr(source, "hf_config", None))
     return model
 
@@ -121,8 +135,6 @@ class CausalLM(L.LightningModule):
         self.seed = seed
         self.fp8, self.peft, self.freeze = fp8, peft, freeze
         if peft is not None:
-            from lightning_moe.peft import keep_checkpoints_adapter_only
-
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
@@ -135,8 +147,6 @@ class CausalLM(L.LightningModule):
     # ------------------------------------------------------------------ model construction
     def _checkpoint(self):
         if self._source is None and self.pretrained is not None:
-            from lightning_moe.checkpoint.source import open_checkpoint
-
             self._source = open_checkpoint(Path(self.pretrained).expanduser())
         return self._source
 
@@ -145,7 +155,6 @@ class CausalLM(L.LightningModule):
         any other stays and is built through transformers."""
         if not isinstance(self.model_config, HFModelConfig):
             return
-        from lightning_moe.models.hf import native_checkpoint_dir
 
         directory = native_checkpoint_dir(self.model_config)
         if directory is not None:
@@ -167,8 +176,6 @@ class CausalLM(L.LightningModule):
             self.model = self._build_hf(strategy)
             return
         if getattr(strategy, "pipeline_parallel", False):
-            from lightning_moe.modules.pipeline_step import build_pipelined_decoder
-
             config = self.resolved_config()
             self.model, self._pipeline = build_pipelined_decoder(
                 config, strategy=strategy, seed=self.seed, source=self._checkpoint(), fp8=self.fp8, peft=self.peft,
@@ -189,8 +196,6 @@ class CausalLM(L.LightningModule):
             data.check_vocabulary(int(vocab_size))
 
     def _build_hf(self, strategy) -> HFModel:
-        from lightning_moe.models.hf import build_hf_model, hf_converters
-
         if self.peft is not None and self.peft.adapter_path is not None:
             raise ValueError("peft.adapter_path: starting adapters are read into native models only; "
                              "drop it for a model trained through transformers (model.hf)")
@@ -242,8 +247,6 @@ class CausalLM(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         if self._pipeline is not None:
-            from lightning_moe.modules.pipeline_step import pipelined_training_step
-
             return pipelined_training_step(self, batch)
         out, tokens = self._loss_output(batch)
         sums = self._step_sums
@@ -310,8 +313,6 @@ class CausalLM(L.LightningModule):
             self.step_stats.grad_norm = norm
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
-        from lightning_moe.models.layers.moe import MoE, update_expert_bias
-
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if self.step_stats is not None and self.step_stats.skipped:
             # a step skipped for non-finite gradients moves no expert bias either (the decision is the same on
@@ -325,15 +326,11 @@ class CausalLM(L.LightningModule):
         # update only uses the sign
         update_expert_bias(self.model, getattr(self.trainer.strategy, "stage_group", None))
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
-            from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
-
             precompute_fsdp_float8_scales(self.model)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
         if self._pipeline is not None:
-            from lightning_moe.modules.pipeline_step import pipelined_eval_step
-
             for name, value in pipelined_eval_step(self, batch).items():
                 self._accumulate(self._eval_sums, name, value)
             return

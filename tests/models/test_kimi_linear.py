@@ -169,3 +169,13 @@ def test_training_step_gradients_match_transformers(checkpoint):
         torch.testing.assert_close(ours[mine].grad, theirs[ref].grad, atol=1e-4, rtol=1e-3, msg=mine)
     torch.testing.assert_close(ours["layers.0.kda.A_log"].grad, theirs["model.layers.0.self_attn.forget_gate.A_log"]
                                .grad.flatten(), atol=1e-4, rtol=1e-3)
+
+
+def test_transformers_saved_checkpoint_round_trips_bitwise(tmp_path):
+    """transformers writes dense layers under ``block_sparse_moe``: they import, and export the same way."""
+    build_tiny(seed=1).save_pretrained(tmp_path / "hf")
+    native = import_hf_checkpoint(tmp_path / "hf", tmp_path / "native")
+    export_hf_checkpoint(native, tmp_path / "export")
+    report = verify_hf_checkpoints(tmp_path / "hf", tmp_path / "export")
+    assert report.ok, report.summary()
+    assert "model.layers.0.block_sparse_moe.gate_proj.weight" in SafetensorsDir(tmp_path / "export").keys()

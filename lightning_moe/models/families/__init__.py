@@ -6,7 +6,7 @@ import importlib
 
 from lightning_moe.models.families.base import Family, TensorMap
 
-# family module names; each defines FAMILY
+# family module names; each defines FAMILY (and may define VARIANTS)
 _MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "nemotron_h",
             "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
 
@@ -18,10 +18,12 @@ def _load() -> None:
     if _by_name:
         return
     for module in _MODULES:
-        family: Family = importlib.import_module(f"{__name__}.{module}").FAMILY
-        _by_name[family.name] = family
-        for arch in family.architectures:
-            _by_architecture[arch] = family
+        loaded = importlib.import_module(f"{__name__}.{module}")
+        # VARIANTS: other checkpoint layouts of the same architecture, found by family name only
+        for family in (loaded.FAMILY, *getattr(loaded, "VARIANTS", ())):
+            _by_name[family.name] = family
+            for arch in family.architectures:
+                _by_architecture[arch] = family
 
 
 def supported_architectures() -> list[str]:

@@ -9,13 +9,14 @@ The hub's config.json keeps the layer split in ``linear_attn_config`` (1-indexed
 ``full_attn_layers``) and names the MoE keys its own way (``num_experts``, ``num_experts_per_token``,
 ``moe_renormalize``, ``num_expert_group``, ``num_shared_experts``); both spellings read. Its KDA conv is three
 tensors (``q_conv1d``, ``k_conv1d``, ``v_conv1d``), one conv over ``q | k | v`` here; ``A_log`` is stored
-``[1, 1, heads, 1]``. transformers saves dense layers under ``block_sparse_moe`` too (it renames them on load);
-this family reads and writes the hub's ``mlp``.
+``[1, 1, heads, 1]``. transformers saves dense layers under ``block_sparse_moe`` too (it renames them on load):
+such checkpoints import as family ``kimi_linear_transformers``, which writes them back the same way; the hub's
+layout (``mlp``) is family ``kimi_linear``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ MIXERS = {"linear_attention": "K", "full_attention": "*"}
 LAYER_TYPES = {v: k for k, v in MIXERS.items()}
 NAMES = LayerNames(ffn="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2")
 CHUNK_SIZE = 64
+TRANSFORMERS_LAYOUT = "kimi_linear_transformers"
 LATENT_NORM_EPS = 1e-6  # transformers' MLA builds its latent norms with the default epsilon
 
 
@@ -119,6 +121,14 @@ def moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
 
 
 class KimiLinear(Family):
+    def from_hf_checkpoint(self, hf: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+        cfg = self.from_hf_config(hf)
+        dense = [f"model.layers.{i}.block_sparse_moe.gate_proj.weight" for i, s in enumerate(cfg.pattern[1::2])
+                 if s == "-"]
+        if dense and dense[0] in tensor_names:
+            cfg.family = TRANSFORMERS_LAYOUT
+        return cfg
+
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
         types = layer_types_from_hf(hf)
         ffn = mlp_types_from_hf(hf, len(types))
@@ -176,7 +186,7 @@ class KimiLinear(Family):
                 if cfg.moe.num_shared_experts:
                     maps += mlp_maps(ffn, f"{hub}.block_sparse_moe.shared_experts", native="moe.shared_experts")
             else:
-                maps += mlp_maps(ffn, f"{hub}.mlp")
+                maps += mlp_maps(ffn, f"{hub}.{'block_sparse_moe' if cfg.family == TRANSFORMERS_LAYOUT else 'mlp'}")
         return maps
 
 
@@ -211,3 +221,5 @@ def kda_maps(cfg: ModelConfig, block: int, hub_layer: str) -> list[TensorMap]:
 
 
 FAMILY = KimiLinear(name="kimi_linear", architectures=(ARCH,), model_type="kimi_linear")
+# checkpoints saved by transformers (dense layers under ``block_sparse_moe``): found by name, never by architecture
+VARIANTS = (KimiLinear(name=TRANSFORMERS_LAYOUT, architectures=(), model_type="kimi_linear"),)

@@ -129,8 +129,8 @@ def solve_unit_lower(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     for i in range(blocks):
         rows = slice(i * size, (i + 1) * size)
         known = rhs[..., rows, :]
-        if i:
-            known = known - A[..., rows, : i * size] @ torch.cat(solved, dim=-2)
+        for j, done in enumerate(solved):  # block by block: no concatenated copy for autograd to keep
+            known = known - A[..., rows, j * size:(j + 1) * size] @ done
         solved.append(inverses[i] @ known)
     return torch.cat(solved, dim=-2)
 
@@ -179,8 +179,13 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
         return t * torch.exp(exponent if per_channel else exponent[..., None])
 
     k_beta = k * beta[..., None]
-    A = _decayed_products(k_beta, k, G, strict)
-    qk = _decayed_products(q, k, G, causal)
+    if per_channel:
+        A = _decayed_products(k_beta, k, G, strict)
+        qk = _decayed_products(q, k, G, causal)
+    else:  # one decay matrix for both products (autograd keeps one copy)
+        decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")))
+        A = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+        qk = (q @ k.transpose(-1, -2)) * decay
     k_start = channel_decay(k_beta, G)  # keys decayed back to the chunk start: they read the entering state
     q_start = channel_decay(q, G)
     if carry is not None:
