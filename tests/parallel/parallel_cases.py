@@ -62,14 +62,17 @@ def tiny_config(name: str) -> ModelConfig:
                                       sinks=True, sliding_window=6, sliding_window_layers=[True, False]),
             mlp=MLPConfig(64, activation="relu2", bias=True), init_std=0.05,
         )
-    if name in ("hybrid", "hybrid_4_groups"):  # the second: B/C groups for cp x tp = 4 ranks
+    if name in ("hybrid", "hybrid_4_groups", "hybrid_latent"):
+        # hybrid_4_groups: B/C groups for cp x tp = 4 ranks; hybrid_latent: Nemotron's latent MoE with the
+        # aux-loss-free selection bias
         return ModelConfig(
             family="nemotron_h", vocab_size=64, hidden_size=32, pattern="M*ME",
             attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8),
             mamba=MambaConfig(num_heads=8, head_dim=4, state_size=8, n_groups=4 if name.endswith("groups") else 2,
                               chunk_size=4),
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, activation="relu2", score_func="sigmoid",
-                          num_shared_experts=1),
+                          num_shared_experts=1, latent_size=16 if name == "hybrid_latent" else None,
+                          score_correction_bias=name == "hybrid_latent"),
             mlp=None, init_std=0.05,
         )
     if name in ("gdn_hybrid", "kda_hybrid"):

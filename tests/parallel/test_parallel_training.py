@@ -84,6 +84,8 @@ def test_four_rank_layouts_match_single_process(tmp_path):
         (f"{TP}.run_lora_layout", ("tp x ep=4 LoRA, MLA, stacked-expert and MTP adapters", "deepseek_like",
                                    {"tp": 2, "ep": 4}, {"r": 4, "alpha": 8, "target_experts": True,
                                                         "include_mtp": True}), {}),
+        (f"{TP}.run_lora_layout", ("tp x ep=2 LoRA, Nemotron-like: Mamba-2, latent MoE, shared expert", "hybrid_latent",
+                                   {"tp": 2, "ep": 2}, {"r": 4, "alpha": 8, "target_experts": True}), {}),
         ("run_reshard", ("saved with fsdp x ep, resumed with hsdp", "qwen3_moe", {"dp_shard": 4, "ep": 2},
                          {"dp_replicate": 2, "dp_shard": 2}, str(tmp_path / "ep-to-hsdp")), {}),
     ]
