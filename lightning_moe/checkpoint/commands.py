@@ -69,25 +69,29 @@ def hub_directory(path: str, revision: str | None) -> str:
     from lightning_moe.checkpoint.distributed_convert import join_ranks, launched_ranks
     from lightning_moe.models.hf import HFModelConfig, resolve_model_dir
 
-    config = HFModelConfig(hf=path, revision=revision)
-    if launched_ranks() == 1:
-        return str(resolve_model_dir(config))
-    import os
+    def snapshot() -> str:
+        try:
+            return str(resolve_model_dir(HFModelConfig(hf=path, revision=revision)))
+        except FileNotFoundError as err:
+            raise FileNotFoundError(str(err).replace("model.hf", "--hf-path", 1)) from None
 
+    ranks, _, local_rank = launched_ranks()
+    if ranks == 1:
+        return snapshot()
     import torch.distributed as dist
 
     join_ranks()
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        resolve_model_dir(config)  # one download per node
+    if local_rank == 0:
+        snapshot()  # one download per node
     dist.barrier()
-    return str(resolve_model_dir(config))  # the snapshot just fetched
+    return snapshot()  # the snapshot just fetched
 
 
 def distributed(ep: int, action: str, distributed_save: bool = True) -> bool:
     """Whether this process is one of N launched ranks of a distributed conversion (joining them if so)."""
     from lightning_moe.checkpoint.distributed_convert import join_ranks, launched_ranks
 
-    ranks = launched_ranks()
+    ranks = launched_ranks()[0]
     if ranks == 1:
         if ep > 1 or (action == "export" and distributed_save):
             flag = "--distributed-save" if action == "export" and distributed_save else f"--ep {ep}"

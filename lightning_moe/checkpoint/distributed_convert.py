@@ -1,5 +1,6 @@
 """Checkpoint conversion on N ranks, for checkpoints too large for one process:
-``torchrun --nproc-per-node N -m lightning_moe.cli convert import|export ... --ep E``.
+``torchrun --nproc-per-node N -m lightning_moe.cli convert import|export ... --ep E`` (or ``srun`` under Slurm,
+``jsrun`` under LSF: Lightning's cluster environments find the ranks).
 
 Layout: the ranks split the model as expert-parallel training lays it out (``ParallelDims`` with ``ep``, FSDP
 over the rest): the experts of each MoE layer go in contiguous blocks to the ``ep`` expert-parallel ranks, and
@@ -48,17 +49,41 @@ from lightning_moe.models.families import TensorMap, family_by_name
 from lightning_moe.parallel.dims import ParallelDims
 
 
-def launched_ranks() -> int:
-    """World size a launcher (torchrun, Slurm through Lightning's launcher) gave this process: 1 when none."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def cluster_environment():
+    """The launcher of this process as Lightning detects it (torchrun, ``srun`` under Slurm, LSF's ``jsrun``), or
+    None: then ``WORLD_SIZE``/``RANK`` (set by any other launcher), else one process."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    return next((env() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment) if env.detect()), None)
+
+
+def launched_ranks() -> tuple[int, int, int]:
+    """(world size, global rank, local rank) the launcher gave this process; (1, 0, 0) when none did."""
+    env = cluster_environment()
+    if env is not None:
+        return env.world_size(), env.global_rank(), env.local_rank()
+    return (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+            int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def join_ranks() -> None:
     """The gloo process group of the launched ranks (kept when one exists)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    env = cluster_environment()
+    if env is None or isinstance(env, TorchElasticEnvironment):
+        dist.init_process_group("gloo")  # the launcher set MASTER_ADDR, RANK, WORLD_SIZE (env://)
+    else:  # Slurm, LSF: the address and port Lightning derives from the job
+        dist.init_process_group("gloo", init_method=f"tcp://{env.main_address}:{env.main_port}",
+                                world_size=env.world_size(), rank=env.global_rank())
 
 
 @dataclass
