@@ -51,7 +51,7 @@ def llama_checkpoint(path: Path) -> Path:
 
 
 def kimi_linear_checkpoint(path: Path) -> Path:
-    """A transformers Kimi-Linear (no native family): linear (delta) attention, MLA and MoE layers."""
+    """A Kimi-Linear checkpoint saved by transformers: KDA, MLA and MoE layers (imported by the native family)."""
     import transformers
 
     config = transformers.KimiLinearConfig(
@@ -68,7 +68,7 @@ def kimi_linear_checkpoint(path: Path) -> Path:
 
 CHECKPOINTS = {"tiny/nemotron_h_sft.yaml": nemotron_h_checkpoint, "tiny/nemotron_h_sft_tulu3.yaml": nemotron_h_checkpoint,
                "tiny/nemotron_h_lora.yaml": nemotron_h_checkpoint, "tiny/dense_lora_benchmark.yaml": llama_checkpoint,
-               "tiny/hf_hellaswag.yaml": kimi_linear_checkpoint}
+               "tiny/kimi_linear_hellaswag_sft.yaml": kimi_linear_checkpoint}
 
 
 def cli(*args: str):
