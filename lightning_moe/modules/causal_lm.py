@@ -268,12 +268,12 @@ class CausalLM(L.LightningModule):
         return objective
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._pipeline is not None:
+            self._pipeline.check_step_complete()
         names = sorted(self._step_sums)
         totals = self._all_reduce(torch.stack([self._step_sums[n] for n in names]))
         step = dict(zip(names, totals.tolist()))
         self._step_sums = {}
-        if self._pipeline is not None:
-            self._pipeline.check_step_complete()
         label_tokens = step["label_tokens"]
         # undo the mean over reducing ranks and Lightning's 1/accumulate (a pipeline schedule backpropagates
         # the sums themselves), divide by the global label count

@@ -50,6 +50,7 @@ class PipelineRunner:
         # whole schedule (the bubble is the rest)
         self.busy_and_total: list[tuple[float, float]] = []
         self._busy = 0.0
+        self._ran = False  # the schedule ran since the last optimizer step
 
     # ------------------------------------------------------------------ keys every rank reduces
     def sum_names(self, training: bool = True) -> list[str]:
@@ -149,6 +150,7 @@ class PipelineRunner:
         timing = torch.tensor([self._busy, time.perf_counter() - start], dtype=torch.float64, device=self.device)
         dist.all_reduce(timing, group=self.group)
         self.busy_and_total.append(tuple(timing.tolist()))
+        self._ran = True
         sums = self._reduce_sums(self.sum_names())
         sums["tokens"] = torch.tensor(float(whole["input_ids"].numel()), dtype=torch.float64, device=self.device)
         return sums
@@ -176,9 +178,17 @@ class PipelineRunner:
                 "bubble_fraction_theoretical": self.theoretical_bubble_fraction()}
 
     def check_step_complete(self) -> None:
-        if self.pending:
-            raise RuntimeError(f"an optimizer step came with {len(self.pending)} micro-batches kept but not run "
-                               f"through the pipeline (the step's micro-batch count changed?)")
+        """Lightning's accumulation window must end where the schedule ran: not the case after resuming a
+        checkpoint written with another accumulation count at a batch count the new one does not divide."""
+        ran, self._ran = self._ran, False
+        if self.pending or not ran:
+            raise RuntimeError(
+                f"an optimizer step came after {len(self.pending)} of the pipeline's {self.micro_batches or '?'} "
+                f"micro-batches: Lightning's accumulation window does not line up with the pipeline schedule "
+                f"(resumed from a checkpoint written with another gradient-accumulation count, at a batch count "
+                f"that is not a multiple of this run's?); resume from a checkpoint whose batch count is a multiple "
+                f"of the micro-batches per step"
+            )
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

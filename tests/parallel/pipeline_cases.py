@@ -130,7 +130,7 @@ BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBa
 def check_resume(directory: Path, reference: dict) -> list[str]:
     """A ``pp=2`` run of the dense model checkpointed every 3 steps trains like one process; resumed from its
     step-3 checkpoint with ``pp=2``, with ``pp=2, vp=2`` (other stages) and with ``pp=1`` (2-way FSDP), steps 4-6
-    repeat its losses."""
+    repeat its losses; an FSDP2 run's step-6 checkpoint continues with ``pp=2`` as with FSDP2."""
     full = fit("llama", {"pp": 2}, directory / "pp2", checkpoint_every=3)
     problems = compare("dense_1f1b (checkpointed)", reference, full)
     checkpoint = next((directory / "pp2" / "ckpt").glob("*step=3.ckpt"))
@@ -143,6 +143,15 @@ def check_resume(directory: Path, reference: dict) -> list[str]:
             if abs(loss - expected) > LOSS_TOLERANCE or abs(norm - expected_norm) > GRAD_RTOL * expected_norm:
                 problems.append(f"{case}: step {step} loss {loss:.8f} / norm {norm:.6f} != uninterrupted "
                                 f"{expected:.8f} / {expected_norm:.6f}")
+    # the other way: a checkpoint of an unpipelined run from scratch (FSDP2, itself equal to one process) continues
+    # under pp=2 as under FSDP2
+    sharded = fit("llama", {"dp_shard": 2}, directory / "fsdp2", checkpoint_every=STEPS)
+    problems += compare("fsdp2 from scratch", reference, sharded)
+    unpipelined = next((directory / "fsdp2" / "ckpt").glob(f"*step={STEPS}.ckpt"))
+    onward = [fit("llama", sizes, directory / f"onward_{i}", steps=STEPS + 1, ckpt_path=str(unpipelined))["steps"]
+              for i, sizes in enumerate(({"dp_shard": 2}, {"pp": 2}))]
+    if len(onward[1]) != 1 or abs(onward[1][0][1] - onward[0][0][1]) > LOSS_TOLERANCE:
+        problems.append(f"an FSDP2 checkpoint continued with pp=2: {onward[1]} != with FSDP2 {onward[0]}")
     return problems
 
 
