@@ -12,6 +12,7 @@ import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.checkpoint.files import copy_aux_files
+from lightning_moe.checkpoint.hf_model import export_hf_model
 from lightning_moe.checkpoint.quantized import check_method, fp8_block_size, quantized_hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir, ShardedWriter
 from lightning_moe.checkpoint.source import (
@@ -23,6 +24,7 @@ from lightning_moe.checkpoint.source import (
 )
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, family_by_name
+from lightning_moe.models.hf import HFModel
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -133,11 +135,7 @@ def export_model(model: torch.nn.Module, out: str | Path, *, hf_config: dict[str
                  quantize: str | None = None) -> Path:
     """An in-memory (unsharded) native model -> Hugging Face directory. A transformers model of the generic path
     (``HFModel``, possibly sharded) is written as ``save_pretrained`` writes it (``quantize`` does not apply)."""
-    from lightning_moe.models.hf import HFModel
-
     if isinstance(model, HFModel):
-        from lightning_moe.checkpoint.hf_model import export_hf_model
-
         if quantize is not None or hf_config is not None:
             raise ValueError("export of a transformers (model.hf) model takes neither quantize nor hf_config")
         return export_hf_model(model.hf, out, dtype=dtype, aux_dir=aux_dir or model.model_dir, overwrite=overwrite)

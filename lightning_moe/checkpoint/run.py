@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.distributed import DistributedCheckpointState
+
 PREFIX = "model."
 # what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states
 LIGHTNING_METADATA = "meta.pt"
@@ -46,8 +48,6 @@ def model_tensors(checkpoint: dict[str, Any]) -> Iterator[tuple[str, torch.Tenso
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
     """A distributed (DCP) checkpoint directory as one dict: Lightning's ``meta.pt`` and a ``state_dict`` that
     reads each weight from the shards when asked for it (optimizer states are never read)."""
-    from lightning_moe.checkpoint.distributed import DistributedCheckpointState
-
     if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
         raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
     checkpoint = torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True)

@@ -21,6 +21,7 @@ from lightning_moe.checkpoint.quantized import hub_tensors
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.checkpoint.training import DCP_METADATA
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config
 
 NATIVE_CONFIG = "model_config.json"
@@ -29,8 +30,6 @@ ORIGINAL_HF_CONFIG = "hf_config.json"
 
 def expected_tensors(config: ModelConfig) -> dict[str, torch.Tensor]:
     """Native names -> meta tensors (shape and default dtype) of the model described by ``config``."""
-    from lightning_moe.models.decoder import Decoder
-
     with torch.device("meta"):
         return dict(Decoder(config).state_dict())
 

@@ -24,7 +24,19 @@ from typing import Any
 import torch
 
 from lightning_moe.models.decoder import LossOutput
-from lightning_moe.models.hf import HFModel, HFModelConfig, hf_converters
+from lightning_moe.models.hf import (
+    HFModel,
+    HFModelConfig,
+    build_hf_model,
+    hf_converters,
+    native_checkpoint_dir,
+    resolve_model_dir,
+)
+from lightning_moe.models.hf_vision import (
+    check_processor_matches,
+    freeze_vision_parts,
+    multimodal_position_ids,
+)
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.peft import LoraConfig
@@ -72,8 +84,6 @@ class VisionLM(CausalLM):
 
     def _route_hf(self) -> None:
         """Always through transformers: an architecture with a native family is text-only."""
-        from lightning_moe.models.hf import native_checkpoint_dir
-
         if self.model_config.native != "never" and native_checkpoint_dir(self.model_config) is not None:
             raise ValueError(f"model.hf={self.model_config.hf!r} is a text-only architecture; VisionLM trains "
                              f"image-text-to-text checkpoints (use CausalLM for this one)")
@@ -85,17 +95,11 @@ class VisionLM(CausalLM):
             return
         from transformers import AutoConfig
 
-        from lightning_moe.models.hf import resolve_model_dir
-        from lightning_moe.models.hf_vision import check_processor_matches
-
         cfg = self.model_config
         config = AutoConfig.from_pretrained(resolve_model_dir(cfg), trust_remote_code=cfg.trust_remote_code)
         check_processor_matches(config, processor, cfg.hf)
 
     def _build_hf(self, strategy) -> HFModel:
-        from lightning_moe.models.hf import build_hf_model
-        from lightning_moe.models.hf_vision import freeze_vision_parts
-
         converters = hf_converters(self.fp8, self.peft, self.freeze)
 
         def convert(model: HFModel) -> None:
@@ -109,8 +113,6 @@ class VisionLM(CausalLM):
 
     def _model_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, dict[str, Any]]:
         """Rotary positions (multimodal where the model has them) and the image inputs of ``batch``."""
-        from lightning_moe.models.hf_vision import multimodal_position_ids
-
         inputs = {k: v for k, v in batch.items() if k not in TEXT_KEYS}
         positions = batch.get("position_ids")
         if positions is not None and "mm_token_type_ids" in batch:
