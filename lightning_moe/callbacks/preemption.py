@@ -107,6 +107,10 @@ class Preemption(StepEndCallback):
             connector.received_sigterm = False
             self.received = self.received or signal.SIGTERM
         self._install(trainer)  # replaces Lightning's SIGTERM handler (stop without saving, exit status 0)
+        # Lightning took the handlers installed in ``setup`` for the originals it restores at its teardown
+        for signum, previous in self._previous.items():
+            if signum in connector._original_handlers:
+                connector._original_handlers[signum] = previous
         align_batch_count(trainer)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -29,6 +29,13 @@ class LossLog(StepEndCallback):
             f.write(f"{trainer.global_step} {step_loss(trainer, pl_module, outputs)!r}\n")
 
 
+class FailAfterFirstStep(StepEndCallback):
+    """Raise once the first optimizer step is done (a run that fails mid-training)."""
+
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        raise RuntimeError("failing on purpose after step 1")
+
+
 def pause(marker: str, release: str | None) -> None:
     """Announce the pause, then wait for ``release`` to appear (forever when None: the test kills us)."""
     Path(marker).write_text(str(os.getpid()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import warnings
 
@@ -164,3 +165,14 @@ def test_corrupt_run_card_names_the_file(tmp_path, capsys):
     (tmp_path / "run_card.json").write_text('{"status": "completed", "series": {"st')
     assert main(["report", str(tmp_path)]) != 0
     assert f"{tmp_path / 'run_card.json'}: not a run card, the JSON is truncated or corrupt" in capsys.readouterr().err
+
+
+def test_signal_handlers_are_given_back_after_a_run(tmp_path):
+    """In a notebook or any caller that lives on, SIGTERM must end the process again once a run is over, whether
+    it completed or failed (Lightning's own teardown would put back what it found: the preemption handler)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    fit(tmp_path, None)
+    assert {s: signal.getsignal(s) for s in before} == before
+    with pytest.raises(RuntimeError, match="failing on purpose after step 1"):
+        fit(tmp_path, None, "--trainer.max_steps", "3", "--trainer.callbacks+=fault_hooks.FailAfterFirstStep")
+    assert {s: signal.getsignal(s) for s in before} == before
