@@ -1,11 +1,11 @@
-"""``lightning-moe``: training through LightningCLI, plus the convert / data / report / slurm tools.
+"""``lightning-moe``: training through LightningCLI, plus the convert / data / estimate / report / slurm tools.
 
     lightning-moe fit --config recipe.yaml [--trainer.max_steps 100 ...]
     lightning-moe convert import --hf-path DIR --out DIR
     lightning-moe convert export --ckpt DIR --out DIR [--dtype bfloat16]
     lightning-moe convert export-lora --ckpt RUN.ckpt [--adapter-out DIR] [--merged-out DIR]
     lightning-moe convert verify --reference DIR --candidate DIR
-    lightning-moe data pack|index ...
+    lightning-moe data pack|index|cache-latents ...
     lightning-moe estimate --config recipe.yaml [--device-memory GIB] [--trainer.devices 8 ...]
     lightning-moe report RUN_DIR
     lightning-moe slurm --config recipe.yaml [--nodes N --gpus-per-node G ...] [--dry-run | --submit]
