@@ -120,7 +120,7 @@ def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path):
 @pytest.mark.distributed
 def test_tensor_parallel_with_fsdp_matches_one_process(tmp_path):
     """tp=2 x dp_shard=2 on four ranks: the model's own tp_plan, then FSDP2 over the data-parallel pairs (2-D
-    DTensors); five steps' losses equal one process's."""
+    DTensors); five steps' losses and the first backward's gradients equal one process's."""
     import transformers as t
 
     config = t.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -134,6 +134,19 @@ def test_tensor_parallel_with_fsdp_matches_one_process(tmp_path):
     record = json.loads((root / "losses.json").read_text())
     assert "model.layers.0.self_attn.q_proj.weight" in record["sharded"]
     assert len(record["losses"]) == 5 and record["losses"] == pytest.approx(single, abs=1e-5)
+
+    # the first backward's gradients, element by element
+    from lightning_moe.models.hf import HFModelConfig, build_hf_model
+
+    run_distributed_test(trainer_cases.tensor_parallel_fsdp_gradients, 4, model_dir, str(tmp_path / "grads.pt"))
+    split = torch.load(tmp_path / "grads.pt", weights_only=True)
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
+    data = batch(rows=4)
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    torch.testing.assert_close(split["loss"], loss.detach(), rtol=1e-6, atol=1e-5)
+    for name, param in model.hf.named_parameters():
+        torch.testing.assert_close(split["grads"][name], param.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

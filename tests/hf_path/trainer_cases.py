@@ -86,6 +86,27 @@ def fit_tensor_parallel(model_dir: str, root: str, sizes: dict | None = None, st
         (Path(root) / "losses.json").write_text(json.dumps({"losses": losses, "sharded": sorted(sharded)}))
 
 
+def tensor_parallel_fsdp_gradients(model_dir: str, out: str) -> None:
+    """One loss and backward of a fixed batch under tp=2 x dp_shard=2 (each data-parallel pair its half of the
+    rows): the summed loss and every full gradient, FSDP's mean over the pairs undone."""
+    from lightning_moe.models.hf import build_hf_model
+    from lightning_moe.parallel import ParallelDims
+    from lightning_moe.parallel.hf import parallelize_hf
+
+    dims = ParallelDims(tp=2, dp_shard=2, world_size=dist.get_world_size())
+    dims.build_meshes("cpu")
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+    data = {key: value.chunk(dims.dp_size)[dims.dp_rank] for key, value in batch(rows=4).items()}
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) * dims.dp_size
+             for n, p in model.hf.named_parameters()}
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dims.mesh("dp").get_group())
+    if dist.get_rank() == 0:
+        torch.save({"loss": total, "grads": grads}, out)
+
+
 def tensor_parallel_gradients(model_dir: str, out: str) -> None:
     """One loss and backward of a fixed batch under 2-way tensor parallelism with the model's own plan (transformers'
     path forced): the loss sum, every full gradient, and whether a tied output layer is still the embedding."""
