@@ -18,7 +18,7 @@ def test_two_steps_single_process_and_fsdp_match_and_export_reloads(tmp_path):
     import transformers as t
 
     model_dir = str(save_tiny(qwen3_next_config(), tmp_path / "qwen3_next"))
-    single, _ = trainer_cases.fit(model_dir, str(tmp_path / "single"))
+    single, _ = trainer_cases.fit(model_dir, str(tmp_path / "single"), native="never")
     assert len(single) == 2 and single[1] < single[0], single
 
     root = tmp_path / "fsdp"
@@ -58,7 +58,8 @@ def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_pat
 
     model_dir = str(save_tiny(qwen3_next_config(), tmp_path / "qwen3_next"))
     lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "in_proj_qkvz", "shared_expert.up_proj"])
-    losses, module = trainer_cases.fit(model_dir, str(tmp_path / "run"), checkpoint=True, peft=lora)
+    losses, module = trainer_cases.fit(model_dir, str(tmp_path / "run"), checkpoint=True, peft=lora,
+                                       native="never")
     assert len(losses) == 2
     checkpoint = next((tmp_path / "run" / "ckpt").glob("*step=2.ckpt"))
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]

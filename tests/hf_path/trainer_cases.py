@@ -66,7 +66,8 @@ def fit_fsdp_and_export(model_dir: str, root: str) -> None:
     export (collective, rank 0 writes), the gathered weights and the logits of a fixed batch, for the test to
     compare with transformers."""
     out = Path(root)
-    losses, module = fit(model_dir, root, {"dp_shard": 2, "activation_checkpointing": "full"}, checkpoint=True)
+    losses, module = fit(model_dir, root, {"dp_shard": 2, "activation_checkpointing": "full"}, checkpoint=True,
+                         native="never")
     export_model(module.model, out / "export")
     state = gathered_state_dict(module.model.hf)
     with torch.no_grad():
