@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
+
 # the assets folder next to the package (sbatch templates)
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "sbatch.sh.template"
 PLACEHOLDER = re.compile(r"{{(\w+)}}")
@@ -63,7 +65,6 @@ def check_parallel_sizes(trainer: dict[str, Any], world_size: int) -> None:
     strategy = trainer.get("strategy")
     if not isinstance(strategy, dict) or not str(strategy.get("class_path", "")).endswith("ParallelStrategy"):
         return
-    from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
 
     args = strategy.get("init_args") or {}
     ParallelDims(**{name: args[name] for name in MESH_SIZE_NAMES if name in args}, world_size=world_size)

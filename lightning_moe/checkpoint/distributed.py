@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lightning_moe.checkpoint.training import check_complete
+
 # the top-level key under which Lightning saves the module's state dict
 STATE_DICT = "state_dict"
 
@@ -22,8 +24,6 @@ class DistributedCheckpointState(Mapping[str, Any]):
     """``mapping[name]`` -> the full (unsharded) value of state-dict entry ``name`` of a DCP checkpoint."""
 
     def __init__(self, path: str | Path, group: str = STATE_DICT) -> None:
-        from lightning_moe.checkpoint.training import check_complete
-
         self.path = Path(path)
         check_complete(self.path, trainer_state=False)  # names a missing or truncated shard before any read
         self._reader = _reader(self.path)

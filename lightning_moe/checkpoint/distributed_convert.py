@@ -33,6 +33,12 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.checkpoint.convert import (
+    cast_floating,
+    copy_aux_files,
+    export_hf_config,
+    write_hub_tensors,
+)
 from lightning_moe.checkpoint.distributed import STATE_DICT
 from lightning_moe.checkpoint.safetensors_io import ShardedWriter, final_shard_names, name_shards
 from lightning_moe.checkpoint.source import (
@@ -43,6 +49,7 @@ from lightning_moe.checkpoint.source import (
     HFCheckpoint,
     NativeCheckpoint,
     expected_tensors,
+    open_checkpoint,
 )
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import TensorMap, family_by_name
@@ -188,7 +195,6 @@ def import_hf_checkpoint_distributed(hf_dir: str | Path, out: str | Path, layout
     """Hugging Face directory -> distributed native checkpoint, on all ranks of the process group."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_moe.checkpoint.convert import copy_aux_files
 
     out = Path(out)
     check_output(out, overwrite)
@@ -259,14 +265,6 @@ def export_hf_checkpoint_distributed(ckpt: str | Path, out: str | Path, layout: 
     """Native (distributed or not) or Hugging Face checkpoint -> Hugging Face directory, every rank writing its
     own safetensors files, rank 0 the index."""
     import torch.distributed as dist
-
-    from lightning_moe.checkpoint.convert import (
-        cast_floating,
-        copy_aux_files,
-        export_hf_config,
-        write_hub_tensors,
-    )
-    from lightning_moe.checkpoint.source import open_checkpoint
 
     out = Path(out)
     check_output(out, overwrite)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_moe.checkpoint.training import LIGHTNING_METADATA
+
 
 def flat_options(**kwargs):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -50,7 +52,6 @@ def load_flattened(path: Path, model, optimizers: list, strict: bool = True,
         set_optimizer_state_dict,
     )
 
-    from lightning_moe.checkpoint.training import LIGHTNING_METADATA
 
     state = {"state_dict": get_model_state_dict(model)}
     load(state, checkpoint_id=path)

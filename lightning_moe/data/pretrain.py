@@ -18,6 +18,7 @@ from lightning_moe.data.gpt_sampling import (
 )
 from lightning_moe.data.indexed import IndexedDataset
 from lightning_moe.data.mock import MockDataset
+from lightning_moe.data.tokenizer import load_tokenizer
 
 SPLITS = ("train", "valid", "test")
 
@@ -84,8 +85,6 @@ class PretrainDataModule(BaseDataModule):
         if self.eod_token_id is not None:
             return self.eod_token_id
         if self.tokenizer_path is not None:
-            from lightning_moe.data.tokenizer import load_tokenizer
-
             return load_tokenizer(self.tokenizer_path).eos_token_id
         return None
 

@@ -22,6 +22,9 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
+from lightning_moe.data.indexed import build_indexed_dataset_from_jsonl
+from lightning_moe.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+
 _NAMES = [
     "Alice", "Bruno", "Chen", "Dana", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jun", "Kemal", "Lena",
     "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara",
@@ -296,9 +299,6 @@ def write_sample_files(output_dir: str, seed: int = 0, vocab_size: int = 4096) -
 
     Returns the paths written, by name. The files are what the repository's ``data/`` folder holds.
     """
-    from lightning_moe.data.indexed import build_indexed_dataset_from_jsonl
-    from lightning_moe.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-
     os.makedirs(output_dir, exist_ok=True)
     tulu = generate_tulu3(300, seed)
     math_rows = generate_openmathinstruct2(200, seed + 1)

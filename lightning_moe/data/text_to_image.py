@@ -24,6 +24,7 @@ from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.formats import RowError
 from lightning_moe.data.image_caption import ImageCaptionRows
 from lightning_moe.data.latent_cache import LatentCacheDataset, pad_prompts, write_latent_cache
+from lightning_moe.data.sources import load_source
 from lightning_moe.models.diffusion import DiffusionModelConfig, load_family
 
 
@@ -95,8 +96,6 @@ class TextToImageDataModule(BaseDataModule):
 
     def load_rows(self) -> tuple[ImageCaptionRows, list[int], str]:
         """The source's rows, the usable row numbers and the source's fingerprint."""
-        from lightning_moe.data.sources import load_source
-
         src = load_source(self.dataset, self.split, self.revision)
         base_dir = os.path.dirname(os.path.abspath(self.dataset)) if os.path.isfile(self.dataset) else None
         rows = ImageCaptionRows(src, self.resolution, self.image_column, self.caption_column, base_dir)

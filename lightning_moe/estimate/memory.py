@@ -32,9 +32,13 @@ from torch import nn
 
 from lightning_moe.estimate.probe import default_dtype, fake_model, saved_activations
 from lightning_moe.estimate.recipe import RecipeLayout
+from lightning_moe.models.converters import apply_converters
+from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.flops import mtp_depths
 from lightning_moe.models.layers.moe import GroupedExperts, Router
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
 
 GIB = 1024**3
 COMPONENTS = ("parameters", "gradients", "optimizer states", "FSDP working set", "activations", "loss buffers")
@@ -65,9 +69,6 @@ def stored_dtype(precision: str) -> torch.dtype:
 
 
 def build_fake_decoder(layout: RecipeLayout, dtype: torch.dtype):
-    from lightning_moe.models.converters import apply_converters
-    from lightning_moe.models.decoder import Decoder
-
     def build() -> nn.Module:
         with default_dtype(dtype):
             model = Decoder(layout.model)
@@ -106,7 +107,6 @@ def pipeline_ranks(model: nn.Module, options: dict, pp: int) -> list[tuple[list[
     mtp = [f"mtp.depths.{d}" for d in range(len(model.mtp.depths))] if getattr(model, "mtp", None) else []
     if pp == 1:
         return [([f"layers.{name}" for name in model.layers] + mtp, True, True)]
-    from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
 
     vp = int(options.get("vp", 1))
     schedule = options.get("pp_schedule") or default_schedule(vp)
@@ -208,8 +208,6 @@ def output_loss_bytes(config, tokens: int, tp: int, itemsize: int, weight_traine
     activations peak: per output head (main and each MTP depth) it keeps the hidden states' gradient and, when
     the output weight trains, the weight's gradient for backward; while one head runs, one chunk of logits in
     the compute dtype and fp32 exists, plus an fp32 weight-gradient accumulator and its compute-dtype partial."""
-    from lightning_moe.models.flops import mtp_depths
-
     vocab, hidden = config.vocab_size / tp, config.hidden_size
     chunk = min(config.loss_chunk_size, tokens)
     half = itemsize != 4  # bf16 compute: separate fp32 buffers

@@ -13,11 +13,17 @@ from torch import nn
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.attention import Attention
+from lightning_moe.models.layers.gated_deltanet import GatedDeltaNet
+from lightning_moe.models.layers.kda import KimiDeltaAttention
 from lightning_moe.models.layers.loss import OutputLayer
+from lightning_moe.models.layers.mamba2 import Mamba2Mixer
+from lightning_moe.models.layers.mla import MLA
 from lightning_moe.models.layers.mlp import MLP
 from lightning_moe.models.layers.moe import MoE
+from lightning_moe.models.layers.mtp import MultiTokenPrediction
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.seeded_init import seeded_init
 
 
 @dataclass
@@ -36,8 +42,6 @@ def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Modul
     if symbol == "*":
         att = cfg.attention
         if att.type == "mla":
-            from lightning_moe.models.layers.mla import MLA
-
             cls = MLA
         else:
             cls = Attention
@@ -46,16 +50,10 @@ def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Modul
         return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps, att.window_for(attention_index),
                    **extra)
     if symbol == "M":
-        from lightning_moe.models.layers.mamba2 import Mamba2Mixer
-
         return Mamba2Mixer(cfg.mamba, cfg.hidden_size)
     if symbol == "G":
-        from lightning_moe.models.layers.gated_deltanet import GatedDeltaNet
-
         return GatedDeltaNet(cfg.linear_attention, cfg.hidden_size)
     if symbol == "K":
-        from lightning_moe.models.layers.kda import KimiDeltaAttention
-
         return KimiDeltaAttention(cfg.linear_attention, cfg.hidden_size)
     if symbol == "-":
         return MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.mlp.bias)
@@ -111,8 +109,6 @@ class Decoder(nn.Module):
         self.output_layer = OutputLayer()
         self.mtp = None
         if config.mtp is not None and config.mtp.num_layers > 0:
-            from lightning_moe.models.layers.mtp import MultiTokenPrediction
-
             self.mtp = MultiTokenPrediction(config, build_blocks)
 
     @property
@@ -124,8 +120,6 @@ class Decoder(nn.Module):
         """Initialize every parameter (after meta-device construction and ``to_empty``). Each module draws from
         a generator seeded by ``(seed, its name)`` on whole tensors, so that any parallel layout, pipeline stages
         included, starts from the same weights (``seed`` defaults to a draw from the torch generator)."""
-        from lightning_moe.models.seeded_init import seeded_init
-
         std = self.config.init_std
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))

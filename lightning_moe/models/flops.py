@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_moe.models.config import BLOCK_SYMBOLS, ModelConfig
+from lightning_moe.models.layers.delta_rule import solve_flops
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.mtp import shift_left
 from lightning_moe.models.layers.sequence import SequenceLayout
@@ -170,8 +171,6 @@ def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
     each), the unit-triangular solve for ``[v | k]`` (its block inverses and substitution, ``solve_flops``), the
     intra-chunk output (``2 c^2 d_v``); between chunks the state written, and read twice (``3 x 2 c d_k d_v``),
     once per chunk after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``."""
-    from lightning_moe.models.layers.delta_rule import solve_flops
-
     la = cfg.linear_attention
     dk, dv, chunk = la.head_k_dim, la.head_v_dim, la.chunk_size
     full, rest = seqs.lengths // chunk, seqs.lengths % chunk

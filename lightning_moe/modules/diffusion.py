@@ -35,7 +35,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.data.latent_cache import pad_prompts
+from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.diffusion.config import DiffusionModelConfig
+from lightning_moe.models.diffusion.export import export_lora, export_transformer
+from lightning_moe.models.diffusion.family import load_family
 from lightning_moe.models.diffusion.flow_matching import (
     FlowMatchingConfig,
     draw_sample,
@@ -43,9 +46,11 @@ from lightning_moe.models.diffusion.flow_matching import (
     noisy_latents,
     sample_generator,
 )
+from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
+from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
-from lightning_moe.peft import LoraConfig
+from lightning_moe.peft import LoraConfig, keep_checkpoints_adapter_only
 
 
 class DiffusionModule(L.LightningModule):
@@ -92,8 +97,6 @@ class DiffusionModule(L.LightningModule):
         self.seed, self.peft, self.freeze = seed, peft, freeze
         self.export_dir, self.export_dtype = export_dir, export_dtype
         if peft is not None:
-            from lightning_moe.peft import keep_checkpoints_adapter_only
-
             # checkpoints hold the adapters only: the frozen transformer comes from the pipeline on resume
             keep_checkpoints_adapter_only(self)
         self.model = None
@@ -108,8 +111,6 @@ class DiffusionModule(L.LightningModule):
     # ------------------------------------------------------------------ construction
     def _load_family(self):
         if self.family is None:
-            from lightning_moe.models.diffusion.family import load_family
-
             self.family = load_family(self.model_config)
         return self.family
 
@@ -129,13 +130,10 @@ class DiffusionModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
 
         strategy = self.trainer.strategy
         convert = None
         if self.peft is not None or self.freeze:
-            from lightning_moe.models.converters import apply_converters
-
             def convert(transformer):
                 apply_converters(transformer, None, self.peft, self.freeze)
 
@@ -259,8 +257,6 @@ class DiffusionModule(L.LightningModule):
                                     skipped=not grads)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        from lightning_moe.modules.causal_lm import CausalLM
-
         # the language models' clipping (by total norm over any mix of meshes; logged, reported in StepStats)
         CausalLM.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -274,8 +270,6 @@ class DiffusionModule(L.LightningModule):
     def export(self, out: str | Path, overwrite: bool = True) -> Path | None:
         """The trained transformer in diffusers' format, or (LoRA) its adapters as diffusers' LoRA file.
         Collective: call on every rank; rank 0 writes (atomically). Returns the folder on rank 0."""
-        from lightning_moe.models.diffusion.export import export_lora, export_transformer
-
         if self.peft is not None:
             return export_lora(self.model, out, self.peft, overwrite=overwrite)
         dtype = getattr(torch, self.export_dtype) if self.export_dtype else None

@@ -17,6 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from lightning_moe.checkpoint.load import copy_tensors_into
+from lightning_moe.models.converters import apply_converters
+from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -27,6 +30,7 @@ from lightning_moe.parallel.pipeline import (
     stage_indices,
 )
 from lightning_moe.parallel.splits import check_micro_batches
+from lightning_moe.peft import reset_lora_parameters
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -246,9 +250,6 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
                             mtp_scale: float = 0.0) -> tuple[PipelinedDecoder, PipelineRunner]:
     """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
     materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
-    from lightning_moe.models.converters import apply_converters
-    from lightning_moe.models.decoder import Decoder
-
     dims, options = strategy.parallel_dims, strategy.pipeline_options
     check_pipeline_model(config, dims)
     with torch.device("meta"):
@@ -268,12 +269,8 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
         torch.manual_seed(seed)
         Decoder.init_weights(model, seed)
         if peft is not None:
-            from lightning_moe.peft import reset_lora_parameters
-
             reset_lora_parameters(model)
     if source is not None:
-        from lightning_moe.checkpoint.load import copy_tensors_into
-
         names = set(model.state_dict())
         copy_tensors_into(model, ((name, t) for name, t in source.iter_native() if name in names))
     if peft is not None and peft.adapter_path is not None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe.models.layers.loss import IGNORE_INDEX
-from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.sequence import SequenceLayout, create_block_mask
 from lightning_moe.parallel.collectives import all_gather_autograd
 from lightning_moe.parallel.mamba import heads_over_whole_rows
 
@@ -119,8 +119,6 @@ class ContextParallelRow:
         """flex_attention BlockMask of the same rule."""
         key = ("block", window)
         if key not in self._masks:
-            from lightning_moe.models.layers.sequence import create_block_mask
-
             query_index, key_index = self.query_index, self.key_index
             query_docs, key_docs = self.query_documents, self.key_documents
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
 
 def check_diffusion_model(dims: ParallelDims, model: nn.Module) -> None:
@@ -45,7 +46,6 @@ def parallelize_diffusion(
     check_diffusion_model(dims, model)
     if compile:
         check_compile(compile_backend)
-    from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
     checkpoint_compile_and_shard(
         model, dims, activation_checkpointing=activation_checkpointing,

@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import repeated_blocks
+from lightning_moe.parallel.compile import checkpoint_and_compile
 
 
 def apply_fsdp(
@@ -73,8 +74,6 @@ def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpoin
     """The steps after model parallelism for a model whose blocks are ``model.layers`` and whose experts (if any)
     are not split: activation checkpointing and compile per block, then FSDP2/HSDP over the data-parallel mesh
     of ``dims`` (also on one rank when a mixed-precision or offload policy is asked for)."""
-    from lightning_moe.parallel.compile import checkpoint_and_compile
-
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         apply_fsdp(

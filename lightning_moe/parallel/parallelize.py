@@ -9,8 +9,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_moe.models.diffusion.transformer import DiffusionTransformer
+from lightning_moe.models.hf import HFModel
 from lightning_moe.parallel.compile import check_compile, checkpoint_and_compile
+from lightning_moe.parallel.context import apply_context_parallel
+from lightning_moe.parallel.diffusion import parallelize_diffusion
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
+from lightning_moe.parallel.fsdp import apply_fsdp
+from lightning_moe.parallel.hf import parallelize_hf
+from lightning_moe.parallel.tensor import apply_tensor_parallel, split_linears, sum_partial_gradients
+from lightning_moe.precision.fp8_tensor_parallel import check_split
 
 
 def parallelize(
@@ -35,11 +44,8 @@ def parallelize(
     ``expert_dispatcher(group, num_local_experts)`` builds the token dispatcher of expert parallelism
     (default: all-to-all).
     """
-    from lightning_moe.models.hf import HFModel
-
     if isinstance(model, HFModel):
         # a transformers model (the generic path) brings its own blocks: see parallel/hf.py
-        from lightning_moe.parallel.hf import parallelize_hf
 
         return parallelize_hf(
             model, dims, activation_checkpointing=activation_checkpointing,
@@ -47,11 +53,9 @@ def parallelize(
             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
             compile=compile, compile_backend=compile_backend,
         )
-    from lightning_moe.models.diffusion.transformer import DiffusionTransformer
 
     if isinstance(model, DiffusionTransformer):
         # a diffusers transformer (image generation): data parallelism, AC and compile, see parallel/diffusion.py
-        from lightning_moe.parallel.diffusion import parallelize_diffusion
 
         return parallelize_diffusion(
             model, dims, activation_checkpointing=activation_checkpointing,
@@ -63,34 +67,24 @@ def parallelize(
     if compile:
         check_compile(compile_backend)
     if dims.tp > 1:
-        from lightning_moe.parallel.tensor import apply_tensor_parallel
-
         refuse_converted_layers(model, dims.tp)
 
         apply_tensor_parallel(model, dims.mesh("tp"), expert_parallel=dims.ep > 1)
     if dims.ep > 1:
-        from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
-
         apply_expert_parallel(model, dims.mesh("ep"), expert_dispatcher or AllToAllDispatcher)
     if dims.cp > 1:
-        from lightning_moe.parallel.context import apply_context_parallel
-
         apply_context_parallel(model, dims.mesh("cp"), dims.mesh("cp_tp") if dims.tp > 1 else None)
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend,
                            checkpoint_outside=dims.tp > 1)
     # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for
     # even without data-parallel ranks (a 1-rank mesh)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
-        from lightning_moe.parallel.fsdp import apply_fsdp
-
         apply_fsdp(
             model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
             gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
         )
     elif dims.tp > 1:
-        from lightning_moe.parallel.tensor import sum_partial_gradients
-
         sum_partial_gradients(model)
     return model
 
@@ -99,8 +93,5 @@ def refuse_converted_layers(model: nn.Module, tp: int) -> None:
     """Converted layers that tensor parallelism cannot split, refused before any is split: FP8/MXFP8 layers
     whose shards would not be whole blocks of their format (LoRA and FP8 layers are otherwise split with
     styles of their own, ``parallel/lora_tensor.py`` and ``precision/fp8_tensor_parallel.py``)."""
-    from lightning_moe.parallel.tensor import split_linears
-    from lightning_moe.precision.fp8_tensor_parallel import check_split
-
     for name, linear, dim in split_linears(model):
         check_split(name, getattr(linear, "base_layer", linear), dim, tp)

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, pattern_flops
+from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import shift_left
 from lightning_moe.models.layers.sequence import SequenceLayout
 
@@ -135,8 +138,6 @@ def part_costs(decoder: nn.Module, seq_len: int = 4096) -> tuple[list[float], fl
     """Relative cost of each block, of the embedding and of the output (final norm, output layer, loss, MTP):
     the mean of its share of the model's training FLOPs per token at ``seq_len`` and of its share of the
     parameters (what a stage must compute, and hold with its gradients and optimizer states)."""
-    from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, pattern_flops
-
     cfg = decoder.config
     seqs = Sequences.of_length(min(seq_len, cfg.max_position_embeddings))
     flops, attention_index = [], 0
@@ -272,8 +273,6 @@ class StageModule(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def moe_layers(self) -> list[nn.Module]:
-        from lightning_moe.models.layers.moe import MoE
-
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def _mtp_depths(self) -> int:
@@ -332,8 +331,6 @@ class StageModule(nn.Module):
         return objective
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        from lightning_moe.models.decoder import Decoder
-
         return Decoder._collect_aux_loss(self)  # this stage's MoE layers (moe_layers), as the whole decoder's
 
 
@@ -356,8 +353,6 @@ class PipelinedDecoder(nn.Module):
         self.stages = [StageModule(decoder, specs[i], mtp_scale) for i in local]
 
     def moe_layers(self) -> list[nn.Module]:
-        from lightning_moe.models.layers.moe import MoE
-
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, *args, **kwargs):

@@ -35,9 +35,28 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from lightning_moe.checkpoint.pipelined import (
+    flattened_optimizer_state,
+    has_flattened_optimizer_state,
+    load_flattened,
+)
+from lightning_moe.checkpoint.training import (
+    check_complete,
+    clear_staging,
+    load_unsharded,
+    publish,
+    staging_path,
+)
 from lightning_moe.parallel.activation_checkpoint import check_mode
 from lightning_moe.parallel.compile import check_compile
+from lightning_moe.parallel.context import shard_batch
 from lightning_moe.parallel.dims import ParallelDims, check_pp, check_sizes
+from lightning_moe.parallel.fsdp import deferred_all_reduce
+from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.parallel.pipeline import StageModule, check_schedule, default_schedule
+from lightning_moe.parallel.splits import check_micro_batches
+from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
@@ -102,7 +121,6 @@ class ParallelStrategy(ModelParallelStrategy):
     ) -> None:
         check_sizes(dp_replicate, dp_shard, cp, tp, ep)
         check_pp(pp)
-        from lightning_moe.parallel.pipeline import check_schedule, default_schedule
 
         pp_schedule = pp_schedule or default_schedule(vp)
         check_schedule(pp_schedule, pp, vp)
@@ -180,11 +198,7 @@ class ParallelStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ model and batches
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        from lightning_moe.parallel.parallelize import parallelize
-
         if self.pipeline_parallel:
-            from lightning_moe.parallel.pipeline import StageModule
-
             if not isinstance(model, StageModule):
                 raise ValueError(
                     f"pp={self._sizes['pp']}: pipeline parallelism splits native decoders trained by CausalLM; "
@@ -199,14 +213,11 @@ class ParallelStrategy(ModelParallelStrategy):
         dims.check_seq_length(batch["input_ids"].shape[1], "batch sequence length")
         if dims.cp == 1:
             return batch
-        from lightning_moe.parallel.context import shard_batch
 
         return shard_batch(batch, dims.mesh("cp"))
 
     def clip_grad_norm(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
-        from lightning_moe.parallel.grad_norm import clip_grad_norm_
-
         # under a pipeline each rank holds some stages' parameters: their norms are combined over the stages
         group = self.parallel_dims.mesh("pp").get_group() if self.pipeline_parallel else None
         return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group)
@@ -217,8 +228,6 @@ class ParallelStrategy(ModelParallelStrategy):
         all-reduce of gradients across replicas waits for the last one (see ``fsdp.deferred_all_reduce``), and
         tensor parallelism without FSDP sums replicated parameters' partial gradients only then
         (``tensor.deferred_partial_sums``). Plain FSDP has no all-reduce to defer."""
-        from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
-
         dims, module = self._parallel_dims, self.lightning_module
         model = getattr(module, "model", None)
         if model is not None and hasattr(model, DEFER_FLAG):
@@ -228,7 +237,6 @@ class ParallelStrategy(ModelParallelStrategy):
         if dims is None or dims.dp_replicate == 1 or module is None:
             yield
             return
-        from lightning_moe.parallel.fsdp import deferred_all_reduce
 
         with deferred_all_reduce(module):
             yield
@@ -238,8 +246,6 @@ class ParallelStrategy(ModelParallelStrategy):
         if data is not None:
             self.parallel_dims.check_data_module(data)
             if self.pipeline_parallel and isinstance(getattr(data, "micro_batch_size", None), int):
-                from lightning_moe.parallel.splits import check_micro_batches
-
                 dims = self.parallel_dims
                 rows = data.micro_batch_size * dims.dp_size
                 check_micro_batches((getattr(data, "global_batch_size", None) or rows) // rows, dims.pp)
@@ -249,8 +255,6 @@ class ParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Lightning's save, written under ``.partial/`` and moved to ``filepath`` once complete on every rank
         (see ``checkpoint.training``): a kill mid-save leaves the previous checkpoint of that name intact."""
-        from lightning_moe.checkpoint.training import clear_staging, publish, staging_path
-
         final = Path(self.broadcast(str(filepath)))
         staged = staging_path(final)
         if self.is_global_zero:
@@ -266,7 +270,6 @@ class ParallelStrategy(ModelParallelStrategy):
         """A pipelined run's optimizer states are saved keyed by parameter name (``checkpoint/pipelined.py``)."""
         if not (self.pipeline_parallel and self._save_distributed_checkpoint):
             return super().optimizer_state(optimizer)
-        from lightning_moe.checkpoint.pipelined import flattened_optimizer_state
 
         return flattened_optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
 
@@ -275,12 +278,10 @@ class ParallelStrategy(ModelParallelStrategy):
         DTensor parameters (one process, no FSDP or TP) loads too."""
         from torch.distributed.tensor import DTensor
 
-        from lightning_moe.checkpoint.training import check_complete, load_unsharded
 
         path = Path(self.broadcast(str(checkpoint_path)))
         check_complete(path)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        from lightning_moe.checkpoint.pipelined import has_flattened_optimizer_state, load_flattened
 
         if has_flattened_optimizer_state(path):  # written by a pipelined run
             return load_flattened(path, self.model, optimizers, strict=self.lightning_module.strict_loading,

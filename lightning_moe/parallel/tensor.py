@@ -34,7 +34,18 @@ from torch import nn
 from lightning_moe.models.layers.loss import OutputLayer, linear_cross_entropy
 from lightning_moe.parallel.collectives import all_gather_autograd, reduce_scatter_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
+from lightning_moe.parallel.lora_tensor import (
+    LoraColwiseParallel,
+    LoraRowwiseParallel,
+    is_lora_linear,
+    shard_lora_locally,
+)
 from lightning_moe.parallel.mamba import heads_over_whole_rows
+from lightning_moe.precision.fp8_tensor_parallel import (
+    float8_style,
+    is_low_precision_linear,
+    prepare_input_style,
+)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = False) -> None:
@@ -147,17 +158,11 @@ def colwise(linear: nn.Module, fp8_collectives: bool = True, **layouts):
     """The column-wise style for ``linear`` as the converters left it: plain, LoRA-wrapped (the adapter split
     with it, ``parallel/lora_tensor.py``), FP8/MXFP8 (``precision/fp8_tensor_parallel.py``; torchao's FP8 styles
     only with ``fp8_collectives``)."""
-    from lightning_moe.parallel.lora_tensor import LoraColwiseParallel
-    from lightning_moe.precision.fp8_tensor_parallel import float8_style
-
     return (fp8_collectives and float8_style(linear, "colwise", **layouts)) or LoraColwiseParallel(**layouts)
 
 
 def rowwise(linear: nn.Module, fp8_collectives: bool = True, **layouts):
     """The row-wise style for ``linear`` (see :func:`colwise`)."""
-    from lightning_moe.parallel.lora_tensor import LoraRowwiseParallel
-    from lightning_moe.precision.fp8_tensor_parallel import float8_style
-
     return (fp8_collectives and float8_style(linear, "rowwise", **layouts)) or LoraRowwiseParallel(**layouts)
 
 
@@ -166,7 +171,6 @@ def prepare_input(consumers: list[nn.Module], **layouts):
     (no consumers: in high precision)."""
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    from lightning_moe.precision.fp8_tensor_parallel import prepare_input_style
 
     return prepare_input_style(consumers, **layouts) or PrepareModuleInput(**layouts)
 
@@ -218,9 +222,6 @@ def _shard_mla(attn: nn.Module, tp_mesh) -> None:
     by heads and ``o_proj`` by its input rows, whose partial outputs are reduce-scattered back to sequence
     shards."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-
-    from lightning_moe.parallel.lora_tensor import is_lora_linear, shard_lora_locally
-    from lightning_moe.precision.fp8_tensor_parallel import is_low_precision_linear
 
     low_precision = [name for name, m in attn.named_children() if is_low_precision_linear(m)]
     if low_precision:

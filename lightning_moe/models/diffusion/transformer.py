@@ -11,6 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.models.hf import _layer_units, _restore_buffers, materialize, parameters_on_meta
+from lightning_moe.models.lora_init import reset_lora_parameters
+from lightning_moe.models.weights import copy_tensors_into
+
 
 class DiffusionTransformer(nn.Module):
     """``transformer``: a diffusers transformer (``QwenImageTransformer2DModel``); ``family``: its call."""
@@ -19,7 +24,6 @@ class DiffusionTransformer(nn.Module):
 
     def __init__(self, transformer: nn.Module, family: Any) -> None:
         super().__init__()
-        from lightning_moe.models.hf import _layer_units
 
         self.transformer = transformer
         self.family = family
@@ -46,10 +50,6 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
     """The family's transformer with its pipeline's weights; adapters (if ``convert`` adds them) start from
     ``seed``. Master weights are float32 whatever the checkpoint's dtype (FSDP's ``param_dtype`` sets the compute
     dtype)."""
-    from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
-    from lightning_moe.models.hf import _restore_buffers, materialize, parameters_on_meta
-    from lightning_moe.models.weights import copy_tensors_into
-
     cls = family.transformer_class
     config = cls.load_config(family.transformer_dir)
     with parameters_on_meta():
@@ -77,8 +77,6 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
                          f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} of {cls.__name__}; a partial "
                          f"checkpoint would start those weights at random")
     if any(".lora_" in name for name, _ in model.named_parameters()):
-        from lightning_moe.models.lora_init import reset_lora_parameters
-
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             reset_lora_parameters(model)
