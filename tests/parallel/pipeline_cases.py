@@ -18,8 +18,13 @@ from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.dims import SIZE_NAMES
+from lightning_moe.peft import LoraConfig
+from lightning_moe.precision import Float8Config
 
 GLOBAL_ROWS, MICRO_ROWS, SEQ, STEPS = 8, 2, 16, 6
+# model names of the cases beyond parallel_cases.tiny_config's: (architecture, training module options)
+VARIANTS = {"llama_lora": ("llama", {"peft": LoraConfig(r=4)}),
+            "llama_fp8": ("llama", {"fp8": Float8Config(recipe="tensorwise", min_dim=16)})}
 LOSS_TOLERANCE, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-5
 
 
@@ -70,17 +75,20 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
         default_root_dir=root, val_check_interval=2 * (GLOBAL_ROWS // MICRO_ROWS) // dp, num_sanity_val_steps=0,
         gradient_clip_val=0.5, callbacks=callbacks,
     )
-    module = module_class(model=tiny_config(model), optimizer=OptimizerConfig(lr=3e-3),
-                          scheduler=SchedulerConfig(warmup_iters=2), seed=11)
+    architecture, options = VARIANTS.get(model, (model, {}))
+    module = module_class(model=tiny_config(architecture), optimizer=OptimizerConfig(lr=3e-3),
+                          scheduler=SchedulerConfig(warmup_iters=2), seed=11, **options)
     data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, global_batch_size=GLOBAL_ROWS,
                           vocab_size=64, num_val_samples=2 * MICRO_ROWS)  # every layout validates all 4
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    converted = sum(type(m).__name__.startswith(("Float8", "MX")) or hasattr(m, "base_layer")
+                    for m in module.model.modules())
     grads = module.first_grads or {}
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, grads)
         grads = {name: grad for rank_grads in gathered for name, grad in rank_grads.items()}
-    return {"steps": recorder.steps, "val": recorder.val, "grads": grads}
+    return {"steps": recorder.steps, "val": recorder.val, "grads": grads, "converted_layers": converted}
 
 
 def compare(case: str, reference: dict, run: dict, grads: bool = True) -> list[str]:
@@ -161,7 +169,10 @@ def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str
     does not (two steps are enough to see it); with ``resume``, :func:`check_resume` too."""
     problems = check_resume(Path(directory), references["llama"]) if resume else []
     for case, model, sizes in cases:
-        problems += compare(case, references[model], fit(model, sizes, Path(directory) / case))
+        run = fit(model, sizes, Path(directory) / case)
+        problems += compare(case, references[model], run)
+        if model in VARIANTS and not run["converted_layers"]:
+            problems.append(f"{case}: no FP8 or LoRA layer in this rank's stages")
     for case, model, sizes in broken:
         reference = {**references[model], "steps": references[model]["steps"][:2]}
         run = fit(model, sizes, Path(directory) / case, steps=2, module_class=BROKEN[case])

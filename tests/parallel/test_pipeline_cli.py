@@ -17,7 +17,7 @@ import yaml
 pytestmark = pytest.mark.distributed
 
 TWIN = Path(__file__).parents[2] / "configs" / "tiny" / "mla_moe_benchmark.yaml"
-STEPS = 3
+STEPS = 2
 
 
 def fit(root: Path, *overrides: str) -> dict:
