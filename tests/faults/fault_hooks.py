@@ -67,8 +67,13 @@ class PauseAt(pl.Callback):
             self.done = True
         if self.point == "save_publish":
             from lightning_moe.checkpoint import training
+            from lightning_moe.parallel import strategy
 
-            training.publish = self._wrap(training.publish, lambda staged, final: Path(final).name)
+            original = training.publish
+            paused = self._wrap(original, lambda staged, final: Path(final).name)
+            for module in (training, strategy):  # whether the strategy imports it at the top or at each call
+                if getattr(module, "publish", None) is original:
+                    module.publish = paused
         elif self.point == "save_payload":
             from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
