@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+# each command imports what it runs inside its function: the CLI and every tool start without loading the rest
 TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 # tool name -> module with ``main(argv) -> int``
 TOOLS = {

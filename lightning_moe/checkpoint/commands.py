@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+# each command imports what it runs inside its function: the CLI and every tool start without loading the rest
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

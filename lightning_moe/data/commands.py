@@ -20,6 +20,7 @@ from lightning_moe.data.formats import FORMATS, PRESETS
 from lightning_moe.data.packing import PACKERS
 
 
+# each command imports what it runs inside its function: the CLI and every tool start without loading the rest
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-moe data", description="Data preparation.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -22,7 +22,7 @@ def run_module(checkpoint: dict[str, Any], where: object = "checkpoint") -> Caus
     if not hparams:
         raise ValueError(f"{where}: the checkpoint has no hyper_parameters; it was not written by a CausalLM run")
     if "_class_path" in hparams:
-        from lightning.pytorch.cli import instantiate_module
+        from lightning.pytorch.cli import instantiate_module  # jsonargparse: seconds to import, CLI runs only
 
         hparams.pop("_instantiator", None)
         try:

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from lightning_moe.checkpoint.atomic import atomic_directory
@@ -36,6 +38,7 @@ from lightning_moe.peft.experts import ExpertLora, fused_input_projection
 from lightning_moe.peft.lora import ADAPTER_NAME, is_adapter_parameter, lora_modules
 from lightning_moe.peft.merge import full_tensor
 
+# transformers and peft are imported inside the functions that use them: they take seconds to import
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MTP_ADAPTER_WEIGHTS = "mtp_adapter_model.safetensors"
@@ -303,8 +306,6 @@ def export_hf_adapter(model: nn.Module, out: str | Path, *, hf_config: dict[str,
                       trained: Sequence[str] = (), dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write the model's adapters as a Hugging Face PEFT adapter directory; ``trained`` names the other tensors
     the run changed (their transformers modules are saved whole, see :func:`adapter_layout`)."""
-    from safetensors.torch import save_file
-
     layout = adapter_layout(model, hf_config, trained=trained)
     params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
@@ -331,8 +332,6 @@ def mtp_adapter_names(model: nn.Module) -> list[str]:
 
 
 def _read_mtp_adapters(model: nn.Module, directory: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     wanted, path = mtp_adapter_names(model), directory / MTP_ADAPTER_WEIGHTS
     if not wanted:
         if path.is_file():
@@ -361,8 +360,6 @@ def _read_mtp_adapters(model: nn.Module, directory: Path) -> list[tuple[str, tor
 def load_hf_adapter(model: nn.Module, adapter_dir: str | Path, *, hf_config: dict[str, Any] | None = None) -> int:
     """Copy a Hugging Face PEFT adapter into the model's adapters (same targets, rank and alpha).
     Returns the number of tensors loaded."""
-    from safetensors import safe_open
-
     directory = Path(adapter_dir)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (directory / name).is_file():

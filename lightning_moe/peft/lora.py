@@ -26,6 +26,7 @@ from lightning_moe.models.layers.moe import GroupedExperts
 from lightning_moe.models.lora_init import reset_lora_parameters  # noqa: F401  (part of this module's API)
 from lightning_moe.peft.experts import ExpertLora
 
+# peft (with transformers) is imported inside the functions that use it: it takes seconds to import
 ALL_LINEAR = "all-linear"
 ADAPTER_NAME = "default"
 OUTPUT_LAYER = "lm_head"
