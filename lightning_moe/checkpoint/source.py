@@ -95,13 +95,16 @@ class HFCheckpoint:
             yield from zip(m.natives, self._natives_of(m))
 
 
+def _imported_metadata(directory: Path) -> tuple[Path, ModelConfig, dict | None, Family]:
+    """What ``convert import`` writes beside the tensors: the native config and the original hub config."""
+    config = ModelConfig.load(directory / NATIVE_CONFIG)
+    original = directory / ORIGINAL_HF_CONFIG
+    return directory, config, read_json(original) if original.exists() else None, family_by_name(config.family)
+
+
 class NativeCheckpoint:
     def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        self.config = ModelConfig.load(self.directory / NATIVE_CONFIG)
-        original = self.directory / ORIGINAL_HF_CONFIG
-        self.hf_config = read_json(original) if original.exists() else None
-        self.family = family_by_name(self.config.family)
+        self.directory, self.config, self.hf_config, self.family = _imported_metadata(Path(directory))
         self.reader = SafetensorsDir(self.directory)
         expected = expected_tensors(self.config)
         missing = sorted(set(expected) - set(self.reader.keys()))
@@ -130,11 +133,7 @@ class DistributedNativeCheckpoint:
     the ranks of a distributed export, each rank's part at once."""
 
     def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
-        self.config = ModelConfig.load(self.directory / NATIVE_CONFIG)
-        original = self.directory / ORIGINAL_HF_CONFIG
-        self.hf_config = read_json(original) if original.exists() else None
-        self.family = family_by_name(self.config.family)
+        self.directory, self.config, self.hf_config, self.family = _imported_metadata(Path(directory))
         self.state = DistributedCheckpointState(self.directory)
         expected = expected_tensors(self.config)
         missing = sorted(set(expected) - set(self.state))
