@@ -9,7 +9,9 @@ H200, and counts FLOPs per sample instead of from the real packed sequence lengt
   ``StepStats`` (or counted on each rank's micro-batches and summed over the data-parallel ranks).
 - Model FLOPs: :mod:`lightning_moe.models.flops` on every micro-batch each rank sees (its real packed lengths
   and label tokens), summed over the data-parallel ranks once per step (packed rows make them differ).
-  Models without a ``ModelConfig`` count 6 x parameters per token.
+  Transformers models of the generic path count as their native family's ``ModelConfig`` where one maps
+  the config, else by ``FlopCounterMode`` on a fake-tensor step once (:mod:`lightning_moe.models.hf_flops`);
+  other models without a ``ModelConfig`` count 6 x parameters per token.
 - Per GPU: divided by the world size (TP, CP and EP peers included). MFU: per-GPU FLOP/s / device peak.
 
 Logged values are averages over the last ``window`` steps after ``warmup_steps``; per-step values are kept
@@ -37,6 +39,8 @@ from lightning_moe.callbacks.step_end import (
 )
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import batch_flops, parameter_flops_per_token
+from lightning_moe.models.hf import HFModel
+from lightning_moe.models.hf_flops import COUNTED_METHOD, CountedFlops, native_model_config
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 
 RATE_NAMES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "label_tokens_per_s_per_gpu",
@@ -111,6 +115,7 @@ class Throughput(StepEndCallback):
         self.config: ModelConfig | None = None
         self.trainable_fraction = 1.0
         self.flops_method = None
+        self.counted_flops = None
         self.world_size = self.data_parallel_size = 1
         self.device_name = None
         self.precision = peak_precision
@@ -127,6 +132,7 @@ class Throughput(StepEndCallback):
         model = getattr(pl_module, "model", None)
         config = getattr(model, "config", None)
         self.config = config if isinstance(config, ModelConfig) else None
+        self.counted_flops = None
         params = list(pl_module.parameters())
         total = sum(p.numel() for p in params)
         self.trainable_fraction = sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
@@ -135,6 +141,14 @@ class Throughput(StepEndCallback):
             "lightning_moe.models.flops (model config, real packed lengths)" if self.config is not None
             else "6 x parameters per token (the model has no ModelConfig)"
         )
+        if self.config is None and isinstance(model, HFModel):
+            self.config = native_model_config(model.config)
+            if self.config is not None:
+                self.flops_method = ("lightning_moe.models.flops (the native family's ModelConfig of the "
+                                     "transformers config, real packed lengths)")
+            else:
+                self.counted_flops = CountedFlops(model.hf_class, model.config)
+                self.flops_method = COUNTED_METHOD
         # a module that counts its own micro-batches (throughput_counts: images, tokens, label tokens, FLOPs)
         self.module_counts = getattr(pl_module, "throughput_counts", None)
         self.sample_unit = getattr(pl_module, "throughput_unit", None) if self.module_counts else None
@@ -171,6 +185,14 @@ class Throughput(StepEndCallback):
             labels = None if labels is None else labels.cpu()
             if labels is not None:
                 label_tokens += int((labels != IGNORE_INDEX).sum())
+            if self.counted_flops is not None:
+                try:
+                    flops += self.counted_flops.batch_flops(position_ids, self.trainable_fraction)
+                    continue
+                except Exception as error:  # noqa: BLE001  (a model the fake step cannot run: said in the run card)
+                    self.counted_flops = None
+                    self.flops_method = (f"6 x parameters per token (the fake-tensor FLOP count of "
+                                         f"the transformers model failed: {error})")
             if self.config is None:
                 flops += self.flops_per_param_token * position_ids.numel()
             else:

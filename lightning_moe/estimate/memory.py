@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_moe.estimate.probe import default_dtype, fake_model, saved_activations
+from lightning_moe.estimate.probe import default_dtype, saved_activations
 from lightning_moe.estimate.recipe import RecipeLayout
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.fake_tensors import fake_model
 from lightning_moe.models.flops import mtp_depths
 from lightning_moe.models.layers.moe import GroupedExperts, Router
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks

@@ -260,6 +260,7 @@ class HFModel(nn.Module):
         self.packing_limitation = packing_limitation(hf_model)
         # found before parallelism: FSDP renames the classes it wraps
         self._unit_names = list(_layer_units(hf_model))
+        self.hf_class = type(hf_model)  # what the FLOP count builds a fake copy of
         self.model_dir: Path | None = None
 
     @property
