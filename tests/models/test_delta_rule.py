@@ -66,8 +66,13 @@ def test_chunked_equals_sequential_in_fp64(per_channel):
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("group", [8, 1, 2], ids=["one_group", "chunk_by_chunk", "groups_of_2"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
-def test_packed_rows_restart_with_gradients(per_channel):
+def test_packed_rows_restart_with_gradients(per_channel, group, monkeypatch):
+    """Backward recomputes ``RECOMPUTE_CHUNKS`` chunks at a time from the states saved between them."""
+    from lightning_moe.models.layers import delta_rule
+
+    monkeypatch.setattr(delta_rule, "RECOMPUTE_CHUNKS", group)
     q, k, v, g, beta = inputs(per_channel, seq=40)
     # row 0: sequences of 5, 19 (crosses chunks), 16; row 1: a start exactly on a chunk boundary (16), a 1-token one
     lengths = [[5, 19, 16], [16, 1, 23]]

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 SUB_CHUNK = 16
 SOLVE_BLOCK = 16
+# chunks recomputed together in backward (the memory of their intermediates is what backward holds at once)
+RECOMPUTE_CHUNKS = 8
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -153,7 +155,70 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
         beta = F.pad(beta, (0, 0, 0, pad))
         if seq_idx is not None:
             seq_idx = F.pad(seq_idx, (0, pad), mode="replicate")
-    chunks = (seq_len + pad) // C
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        out = _RecomputedDeltaRule.apply(q, k, v, g, beta, seq_idx, C, RECOMPUTE_CHUNKS)
+    else:
+        out, _ = _chunks_forward(q, k, v, g, beta, seq_idx, C)
+    return out[:, :seq_len]
+
+
+class _RecomputedDeltaRule(torch.autograd.Function):
+    """The delta rule keeping only its inputs and the state entering every ``group`` chunks for backward, which
+    recomputes one group at a time (as fla's kernels recompute): the chunks' pairwise products, solves and
+    per-chunk states never exist for the whole row at once."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, seq_idx, chunk_size, group):
+        span, length = group * chunk_size, q.shape[1]
+        outs, states, state = [], [], None
+        for start in range(0, length, span):
+            states.append(state)
+            rows = [t[:, start:start + span] for t in (q, k, v, g, beta)]
+            out, state = _chunks_forward(*rows, C=chunk_size, state=state, **_group(seq_idx, start, span, length))
+            outs.append(out)
+        ctx.save_for_backward(q, k, v, g, beta, *states[1:])
+        ctx.seq_idx, ctx.chunk_size, ctx.span = seq_idx, chunk_size, span
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, g, beta, *saved = ctx.saved_tensors
+        states, span, length = [None, *saved], ctx.span, q.shape[1]
+        grads: list[list[torch.Tensor]] = [[] for _ in range(5)]
+        grad_state = None
+        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            for index in reversed(range(len(states))):
+                start = index * span
+                inputs = [t[:, start:start + span].detach().requires_grad_() for t in (q, k, v, g, beta)]
+                entering = None if states[index] is None else states[index].detach().requires_grad_()
+                out, leaving = _chunks_forward(*inputs, C=ctx.chunk_size, state=entering,
+                                               **_group(ctx.seq_idx, start, span, length))
+                outputs, cotangents = [out], [grad[:, start:start + span]]
+                if grad_state is not None:
+                    outputs.append(leaving)
+                    cotangents.append(grad_state)
+                wrt = inputs + ([entering] if entering is not None else [])
+                found = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True)
+                for i, t in enumerate(inputs):
+                    grads[i].append(torch.zeros_like(t) if found[i] is None else found[i])
+                grad_state = found[5] if entering is not None else None
+        return (*(torch.cat(parts[::-1], dim=1) for parts in grads), None, None, None)
+
+
+def _group(seq_idx: torch.Tensor | None, start: int, span: int, length: int) -> dict:
+    """``_chunks_forward``'s packing arguments for the tokens ``[start, start + span)`` of a row of ``length``."""
+    docs = None if seq_idx is None else seq_idx[:, start:start + span]
+    prev_doc = seq_idx[:, start - 1] if seq_idx is not None and start else None
+    return {"seq_idx": docs, "prev_doc": prev_doc, "final_state": start + span < length}
+
+
+def _chunks_forward(q, k, v, g, beta, seq_idx=None, C=64, state=None, prev_doc=None, final_state=False):
+    """Whole chunks (``q`` etc. [batch, chunks * C, heads, ...], scaled and padded) from ``state`` (None: zero),
+    whose sequence ``prev_doc`` [batch] is that of the token before them (packed rows); returns the output and,
+    with ``final_state``, the state they leave."""
+    batch, length, heads, dk = k.shape
+    per_channel = g.dim() == 4
+    chunks = length // C
 
     # [batch, heads, chunks, C, ...]
     def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +235,8 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
         docs = seq_idx.reshape(batch, chunks, C)
         causal = causal & (docs[..., :, None] == docs[..., None, :])[:, None]  # [b, 1, n, C, C]
         last_doc = docs[..., -1]
-        carry_doc = F.pad(last_doc[:, :-1], (1, 0), value=-1)  # sequence of the state entering each chunk
+        first = torch.full_like(last_doc[:, :1], -1) if prev_doc is None else prev_doc[:, None]
+        carry_doc = torch.cat([first, last_doc[:, :-1]], dim=1)  # sequence of the state entering each chunk
         carry = (docs == carry_doc[..., None])[:, None]  # [b, 1, n, C]
         end = (docs == last_doc[..., None])[:, None]
     strict = causal & ~torch.eye(C, dtype=torch.bool, device=q.device)
@@ -203,16 +269,21 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
     # per chunk (unbind: one backward op per tensor, where indexing would add a zero-filled copy per chunk)
     U, W, q_start, qk, k_end = (t.unbind(2) for t in (U, W, q_start, qk, k_end))
     state_decay = state_decay.unbind(2)
-    # the first chunk starts from a zero state, and the state the last one leaves is never read
-    v_new, state = U[0], None
-    outs = [qk[0] @ v_new]
-    for c in range(1, chunks):
-        written = k_end[c - 1].transpose(-1, -2) @ v_new
-        state = written if state is None else state_decay[c - 1] * state + written
-        v_new = U[c] - W[c] @ state
-        outs.append(q_start[c] @ state + qk[c] @ v_new)
+    # a zero state is never read, and the state the last chunk leaves only when asked for
+    outs, v_new = [], U[0]
+    for c in range(chunks):
+        if c:
+            written = k_end[c - 1].transpose(-1, -2) @ v_new
+            state = written if state is None else state_decay[c - 1] * state + written
+        v_new = U[c] if state is None else U[c] - W[c] @ state
+        outs.append(qk[c] @ v_new if state is None else q_start[c] @ state + qk[c] @ v_new)
+    if final_state:
+        written = k_end[-1].transpose(-1, -2) @ v_new
+        state = written if state is None else state_decay[-1] * state + written
     out = torch.stack(outs, dim=2)  # [b, h, n, C, dv]
-    return out.permute(0, 2, 3, 1, 4).reshape(batch, chunks * C, heads, -1)[:, :seq_len]
+    return out.permute(0, 2, 3, 1, 4).reshape(batch, chunks * C, heads, -1), state
+
+
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None, scale: float | None = None):
