@@ -324,6 +324,46 @@ def export_hf_adapter(model: nn.Module, out: str | Path, *, hf_config: dict[str,
     return Path(out)
 
 
+def export_transformers_adapter(hf_model: nn.Module, out: str | Path, *, dtype: torch.dtype | None = None,
+                                overwrite: bool = False) -> Path:
+    """The adapters of a transformers causal LM trained with LoRA (the transformers path, ``model: {hf: ...}``
+    without a native decoder) as a PEFT adapter directory. The names are transformers' own, so the layout is
+    peft's for the same targets; injecting the written config into the model's meta twin must give exactly
+    these adapters."""
+    import peft
+
+    owners = lora_modules(hf_model)
+    if not owners:
+        raise ValueError("the model has no LoRA adapters (apply_lora was not called)")
+    _check_peft_accepts(owners, hf_model)
+    rank, scaling = _rank_and_scaling(owners)
+    plain = [n for n, _ in hf_model.named_modules() if ".lora_" not in n and ".base_layer" not in n]
+    peft_config = peft.LoraConfig(
+        r=rank, lora_alpha=scaling * rank, lora_dropout=0.0, target_modules=_compact(sorted(owners), plain),
+        base_model_name_or_path=getattr(hf_model.config, "_name_or_path", None) or None, task_type="CAUSAL_LM",
+        inference_mode=True,
+    )
+    twin = hf_meta_model(hf_model.config.to_dict())
+    way_out = "export the merged model (--merged-out, or `lightning-moe convert export --ckpt`)"
+    try:
+        peft.inject_adapter_in_model(copy.deepcopy(peft_config), twin)
+    except ValueError as err:  # e.g. transformers 5 fused experts: peft retargets expert-named projections
+        raise ValueError(f"peft cannot lay these adapters out on {type(hf_model).__name__} ({err}); {way_out}") from err
+    tensors = {}
+    for name, layer in owners.items():
+        for ab in ("lora_A", "lora_B"):
+            tensor = full_tensor(getattr(layer, ab)[ADAPTER_NAME].weight.detach())
+            tensors[f"{KEY_PREFIX}{name}.{ab}.weight"] = (tensor if dtype is None else tensor.to(dtype)).cpu().contiguous()
+    placed = set(_peft_keys(twin))
+    if placed != set(tensors):
+        raise ValueError(f"peft places this config's adapters on {sorted(placed ^ set(tensors))[:3]} (and not all of "
+                         f"the model's): the adapters have no PEFT layout; {way_out}")
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        peft_config.save_pretrained(str(tmp))
+    return Path(out)
+
+
 def mtp_adapter_names(model: nn.Module) -> list[str]:
     """Native names of the adapter tensors on mtp.* layers (written to ``mtp_adapter_model.safetensors`` with the
     other MTP tensors the run changed)."""

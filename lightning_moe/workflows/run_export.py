@@ -34,7 +34,7 @@ from lightning_moe.models.hf import (
 )
 from lightning_moe.modules.causal_lm import build_decoder
 from lightning_moe.modules.restore import run_module
-from lightning_moe.peft.hf_adapter import export_hf_adapter
+from lightning_moe.peft.hf_adapter import export_hf_adapter, export_transformers_adapter
 from lightning_moe.peft.lora import is_adapter_parameter
 
 
@@ -77,12 +77,18 @@ def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, module, dtype:
     checkpoint read by ``read_run_checkpoint`` and its module restored by ``run_module`` -> a Hugging Face
     directory. LoRA runs are exported merged; their checkpoints hold only adapters, the base comes from
     ``model.hf`` as in the run."""
+    model, _ = _hf_run_model(checkpoint, module)
+    return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
+
+
+def _hf_run_model(checkpoint: dict[str, Any], module) -> tuple[Any, str]:
+    """(the run's transformers model with its trained weights or adapters, its task)."""
     cfg = module.model_config
     # the run's module class decides (a VisionLM of Qwen3.5 is not its causal-LM class); older runs: the model type
     task = checkpoint.get("hf_task") or _task_of_model_type(cfg)
     model = build_hf_model(cfg, task=task, convert=hf_converters(peft=module.peft), seed=module.seed)
     copy_tensors_into(model, model_tensors(checkpoint))
-    return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
+    return model, task
 
 
 def _task_of_model_type(cfg) -> str:
@@ -111,8 +117,8 @@ class LoraRun:
 def _adapted_model(path: Path, checkpoint: dict[str, Any], module) -> LoraRun:
     config = module.resolved_config()  # a model.hf with a native family becomes the run's `pretrained`
     if isinstance(config, HFModelConfig):
-        raise ValueError(f"{path}: a LoRA run of a transformers model (model.hf) exports merged (--merged-out, or "
-                         f"`lightning-moe convert export --ckpt`); PEFT adapter export covers native models")
+        raise ValueError(f"{path}: the run trained a transformers model (model.hf), not the native decoder; "
+                         f"export_lora_run exports it")
     if module.pretrained is None:
         raise ValueError(f"{path}: the run trained adapters on a randomly initialized model (no model.hf or "
                          f"`pretrained` base); a LoRA checkpoint does not hold frozen weights")
@@ -142,8 +148,8 @@ def export_lora_run(ckpt: str | Path, *, adapter_out: str | Path | None = None, 
     if adapter_out is None and merged_out is None:
         raise ValueError("export_lora_run: give adapter_out and/or merged_out")
     checkpoint, module = _read_lora_run(Path(ckpt).expanduser())
-    if isinstance(module.resolved_config(), HFModelConfig) and adapter_out is None:
-        return [export_hf_run(checkpoint, merged_out, module=module, dtype=dtype, overwrite=overwrite)]
+    if isinstance(module.resolved_config(), HFModelConfig):
+        return _export_transformers_lora_run(ckpt, checkpoint, module, adapter_out, merged_out, dtype, overwrite)
     run = _adapted_model(Path(ckpt).expanduser(), checkpoint, module)
     hf_config = getattr(run.source, "hf_config", None)
     written = []
@@ -153,4 +159,19 @@ def export_lora_run(ckpt: str | Path, *, adapter_out: str | Path | None = None, 
     if merged_out is not None:
         written.append(export_merged_hf(run.model, merged_out, hf_config=hf_config, dtype=dtype,
                                         aux_dir=run.source.directory, overwrite=overwrite))
+    return written
+
+
+def _export_transformers_lora_run(ckpt, checkpoint: dict[str, Any], module, adapter_out, merged_out,
+                                  dtype: torch.dtype | None, overwrite: bool) -> list[Path]:
+    model, task = _hf_run_model(checkpoint, module)
+    written = []
+    if adapter_out is not None:
+        if task != "causal-lm":
+            raise ValueError(f"{ckpt}: PEFT adapter export of a transformers-path run covers causal LMs, this run "
+                             f"trained a {task} model; export it merged (--merged-out)")
+        written.append(export_transformers_adapter(model.hf, adapter_out, dtype=dtype, overwrite=overwrite))
+    if merged_out is not None:
+        written.append(export_hf_model(model.hf, merged_out, dtype=dtype, aux_dir=model.model_dir,
+                                       overwrite=overwrite))
     return written

@@ -61,6 +61,9 @@ CASES = {
     "dense model.hf": ("dense_lora_benchmark.yaml", "llama", ["--trainer.precision=32-true"]),
     # stacked-expert adapters over an imported checkpoint; no strategy: a single .ckpt file
     "qwen3_moe imported": ("lora_moe.yaml", "qwen3_moe", []),
+    # the same twin trained as the transformers model itself (model.native: never): peft's own layer names
+    "dense transformers path": ("dense_lora_benchmark.yaml", "llama", ["--trainer.precision=32-true",
+                                                                      "--model.init_args.model.native=never"]),
     # experts and MTP adapters over a Hugging Face directory named by `pretrained`; peft refuses adapters on the
     # Mamba mixers' out_proj (test_mamba_out_proj_adapters_export_merged_only)
     "nemotron_h pretrained": ("nemotron_h_lora.yaml", "nemotron_h",
@@ -83,7 +86,7 @@ def exported(request, tmp_path_factory):
         base, vocab = qwen3_moe_base(root / "base"), 160
     else:
         base, vocab = save_tiny(family, root / "base"), 160
-    if request.param == "dense model.hf":
+    if request.param in ("dense model.hf", "dense transformers path"):
         overrides = [*overrides, f"--model.init_args.model.hf={base}", "--data.init_args.vocab_size=160"]
     if request.param == "qwen3_moe imported":
         assert cli_main(["convert", "import", "--hf-path", str(base), "--out", str(root / "imported")]) == 0
@@ -111,7 +114,7 @@ def test_peft_adapter_merged_export_and_trained_model_agree(exported):
     assert (merged - trained).abs().max() <= TOL, case
     assert (before - trained).abs().max() > 1e-3, case  # the adapters trained: not the base's logits
     config = json.loads((root / "adapter" / "adapter_config.json").read_text())
-    if case != "dense model.hf":  # adapters on the fused experts of the transformers model
+    if not case.startswith("dense"):  # adapters on the fused experts of the transformers model
         assert config["target_parameters"], case
     # aux-loss-free balancing moved Nemotron-H's router bias: the routers travel whole (peft's modules_to_save)
     assert bool(config["modules_to_save"]) == (case == "nemotron_h pretrained"), case
