@@ -5,6 +5,7 @@ Only each block's ``forward`` is replaced: parameter and state-dict names stay t
 that activation checkpointing chose is compiled together with its checkpoint (``torch.utils.checkpoint``, which
 the compiler traces) instead of getting the hook-based checkpoint of ``activation_checkpoint.py``. Data-dependent
 shapes (MoE token counts, expert-parallel all-to-all) end a graph and continue eagerly, as torch.compile does.
+On CPU each block kind is checked against its eager forward at first use (``lightning_moe/kernels``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_moe.kernels.compiled_blocks import guard_compiled_block
 from lightning_moe.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpointed_blocks,
@@ -52,10 +54,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor", checkpoint_mode: 
     names = []
     for name, block in repeated_blocks(model):
         if name in checkpointed and checkpoint_outside:
-            block.forward = _with_checkpoint(torch.compile(block.forward, backend=backend))
+            forward = _with_checkpoint(block.forward)
+            compiled = _with_checkpoint(torch.compile(block.forward, backend=backend))
         else:
             forward = _with_checkpoint(block.forward) if name in checkpointed else block.forward
-            block.forward = torch.compile(forward, backend=backend)
+            compiled = torch.compile(forward, backend=backend)
+        # on CPU, the compiled block serves only after its first call matched the eager block on this machine
+        block.forward = guard_compiled_block(block, forward, compiled)
         names.append(name)
     return names
 

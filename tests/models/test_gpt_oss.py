@@ -70,9 +70,9 @@ def test_packed_rows_with_flex_attention(models, monkeypatch):
     the log-sum-exp, so this runs torch's eager flex_attention, the reference the compiled kernels match."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import lightning_moe.models.layers.attention as attention
+    import lightning_moe.kernels.flex as flex_kernels
 
-    monkeypatch.setattr(attention, "_compiled_flex", flex_attention)
+    monkeypatch.setattr(flex_kernels, "_compiled", flex_attention)
     hf, native = models
     monkeypatch.setattr(native.config.attention, "backend", "flex")  # shared by the attention blocks
     assert max_packed_diff(hf, native, [9, 6, 9]) <= TOL

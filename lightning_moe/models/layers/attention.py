@@ -1,5 +1,8 @@
 """Grouped-query attention with ``sdpa`` and ``flex`` backends (``te``, Transformer Engine, is reserved).
 
+``flex`` runs torch's compiled flex_attention only where its first use on this machine passed a check against
+SDPA with the same mask (``lightning_moe/kernels/flex.py``); elsewhere it takes the ``sdpa`` path.
+
 Packed rows: the decoder builds one :class:`~lightning_moe.models.layers.sequence.SequenceLayout` per forward
 from ``position_ids``; every backend gets its masks from it, so no token attends across a sequence boundary.
 """
@@ -10,22 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.kernels.flex import flex_usable, run_flex
 from lightning_moe.models.config import AttentionConfig
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.rope import RotaryEmbedding, apply_rotary
 from lightning_moe.models.layers.sequence import SequenceLayout
-
-_compiled_flex = None
-
-
-def flex_attention(*args, **kwargs):
-    """torch's flex_attention, compiled once per process (the eager fallback materializes full scores)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention as flex
-
-        _compiled_flex = torch.compile(flex, dynamic=False)
-    return _compiled_flex(*args, **kwargs)
 
 
 def attend(
@@ -47,15 +39,10 @@ def attend(
         # the row is split over context-parallel ranks: attend over all of its keys, masked by global position
         k, v, layout = layout.context_parallel.gather(k, v)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import AuxRequest
-
-        block_mask = layout.block_mask(window)
-        if sinks is None:
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-        out, aux = flex_attention(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
-        )
-        return _apply_sinks(out, aux.lse, sinks)
+        if flex_usable(q, k, v, layout, window, scale, lse=sinks is not None):
+            out, lse = run_flex(q, k, v, layout.block_mask(window), scale, lse=sinks is not None)
+            return out if sinks is None else _apply_sinks(out, lse, sinks)
+        backend = "sdpa"  # the compiled kernel failed its first-use check on this machine (warned once)
     if backend == "sdpa":
         mask = layout.dense_mask(window)
         if sinks is not None:
