@@ -24,6 +24,7 @@ from torch import nn
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import repeated_blocks
 from lightning_moe.parallel.compile import checkpoint_and_compile
+from lightning_moe.parallel.hf_expert import SPLIT_MARK
 
 
 def apply_fsdp(
@@ -54,10 +55,9 @@ def apply_fsdp(
     }
     for _, unit in repeated_blocks(model):
         if expert_mesh is not None:
-            for moe in unit.modules():
-                if isinstance(moe, MoE):
-                    fully_shard(moe.experts, mesh=expert_mesh, **options)
-                    _divide_gradients_by(moe.experts, gradient_divide_factor, expert_mesh)
+            for experts in split_experts(unit):
+                fully_shard(experts, mesh=expert_mesh, **options)
+                _divide_gradients_by(experts, gradient_divide_factor, expert_mesh)
         fully_shard(unit, mesh=mesh, **options)
     # the root group holds the embedding, the final norm and the output weight, which the decoder reads
     # directly (not through a submodule call); it stays unsharded from forward to backward
@@ -66,18 +66,26 @@ def apply_fsdp(
 
 
 
+def split_experts(unit: nn.Module) -> list[nn.Module]:
+    """The experts modules of ``unit`` that expert parallelism split: the native MoE layers' and transformers'
+    standardized ones (marked by ``parallel/hf_expert.py``)."""
+    return [m.experts if isinstance(m, MoE) else m for m in unit.modules()
+            if isinstance(m, MoE) or getattr(m, SPLIT_MARK, False)]
+
+
 def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpointing: str = "none",
                                  activation_checkpointing_every: int = 1, compile: bool = False,
                                  compile_backend: str = "inductor", param_dtype: torch.dtype | None = None,
                                  reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False,
                                  reshard_after_forward: bool = True) -> None:
-    """The steps after model parallelism for a model whose blocks are ``model.layers`` and whose experts (if any)
-    are not split: activation checkpointing and compile per block, then FSDP2/HSDP over the data-parallel mesh
-    of ``dims`` (also on one rank when a mixed-precision or offload policy is asked for)."""
+    """The steps after model parallelism for a model whose blocks are ``model.layers``: activation checkpointing
+    and compile per block, then FSDP2/HSDP over the data-parallel mesh of ``dims`` (also on one rank when a
+    mixed-precision or offload policy is asked for), experts split by expert parallelism over ``expert_fsdp``."""
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
     if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
         apply_fsdp(
-            model, dims.mesh("fsdp"), gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
+            model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
+            gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
         )
 

@@ -7,8 +7,9 @@ native decoder, driven by the model's repeated blocks (``HFModel.layers``: decod
 vision-language models): activation checkpointing per block, and FSDP2/HSDP ``fully_shard`` per block and on
 the root, whose group keeps the embeddings, final norm, output layer and whatever is not a block (e.g. a vision
 projector); under tensor parallelism FSDP shards the tensor-parallel DTensors over the data-parallel ranks
-(2-D). Refused before anything is built: context and expert parallelism (they need the native modules'
-sequence split and expert dispatcher), and plans with styles whose weights are not plain row or column slices
+(2-D). Expert parallelism splits transformers' standardized experts modules (``parallel/hf_expert.py``).
+Refused before anything is built: context parallelism (it needs the native modules' sequence split), expert
+parallelism of other experts modules or together with tensor parallelism, and plans with styles whose weights are not plain row or column slices
 (packed or expert layouts).
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.hf_expert import apply_hf_expert_parallel, check_hf_expert_parallel
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
 # them by DTensor placement) and whose gradients come out complete
@@ -28,12 +30,15 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise",
 def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
     """Raise a one-line message for the parallel sizes the generic path does not support."""
     name = type(model.hf).__name__
-    for key in ("cp", "ep"):
-        size = getattr(dims, key)
-        if size > 1:
-            raise ValueError(f"{key}={size}: {name} runs through transformers (model.hf), where data parallelism "
-                             f"(FSDP2/HSDP), its own tensor-parallel plan and activation checkpointing apply; use "
-                             f"{key}=1, or a natively supported architecture")
+    if dims.cp > 1:
+        raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where data parallelism "
+                         f"(FSDP2/HSDP), its own tensor-parallel plan, expert parallelism of standardized experts "
+                         f"and activation checkpointing apply; use cp=1, or a natively supported architecture")
+    if dims.ep > 1:
+        if dims.tp > 1:
+            raise ValueError(f"ep={dims.ep} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
+                             f"tensor-parallel plan is not combined with expert parallelism there; use tp=1 or ep=1")
+        check_hf_expert_parallel(model.hf, dims.ep)
     if dims.tp > 1:
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
@@ -116,6 +121,8 @@ def parallelize_hf(
         apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
         # sharding replaced the tied parameter in its first module only: tie the others to the sharded one again
         model.hf.tie_weights(recompute_mapping=False)
+    if dims.ep > 1:
+        apply_hf_expert_parallel(model.hf, dims.mesh("ep"))
     from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
     checkpoint_compile_and_shard(

@@ -59,3 +59,17 @@ def batch(rows: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor
     labels = torch.randint(3, VOCAB, (rows, seq), generator=gen)
     labels[0, :5] = -100
     return {"input_ids": input_ids, "labels": labels}
+
+
+def qwen3_moe_config(**overrides):
+    """Qwen3-MoE (which has a native family: tests force the generic path with ``native: never``): transformers'
+    standardized experts module under a top-k router."""
+    import transformers as t
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.01,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return t.Qwen3MoeConfig(**{**settings, **overrides})

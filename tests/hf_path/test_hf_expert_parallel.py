@@ -1,0 +1,75 @@
+"""Expert parallelism on the generic path: Qwen3-MoE forced through transformers (``native: never``), its
+standardized experts split over ep, against one process: five Trainer steps' losses, the first backward's
+gradients element by element, and a step whose routing leaves one ep rank without a token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from distributed_harness import run_distributed_test
+from expert_parallel_cases import expert_parallel_gradients, fit_expert_parallel, skew
+from tiny_hf_models import batch, qwen3_moe_config, save_tiny
+from torch import nn
+from trainer_cases import fit
+
+from lightning_moe.models.hf import HFModelConfig, build_hf_model
+from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
+
+
+def one_process_gradients(model_dir: str, skewed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
+    if skewed:
+        skew(model.hf)
+    data = batch(rows=4)
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.hf.named_parameters()}
+
+
+def assert_same_gradients(path, model_dir: str, skewed: bool) -> dict:
+    split = torch.load(path, weights_only=True)
+    loss, grads = one_process_gradients(model_dir, skewed)
+    torch.testing.assert_close(split["loss"], loss, rtol=1e-6, atol=1e-5)
+    assert split["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(split["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    return split
+
+
+@pytest.mark.distributed
+def test_ep2_matches_one_process_in_losses_gradients_and_skewed_routing(tmp_path):
+    model_dir = str(save_tiny(qwen3_moe_config(), tmp_path / "qwen3_moe"))
+    single, _ = fit(model_dir, str(tmp_path / "single"), steps=5, native="never")
+    sizes = {"dp_shard": 2, "ep": 2}
+
+    root = tmp_path / "ep"
+    root.mkdir()
+    run_distributed_test(fit_expert_parallel, 2, model_dir, str(root), sizes, init_process_group=False)
+    record = json.loads((root / "losses.json").read_text())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in record["split"], record["split"]
+    assert len(record["losses"]) == 5 and record["losses"] == pytest.approx(single, abs=1e-5)
+
+    for skewed in (False, True):
+        out = tmp_path / f"grads_{skewed}.pt"
+        run_distributed_test(expert_parallel_gradients, 2, model_dir, str(out), sizes, skewed)
+        split = assert_same_gradients(out, model_dir, skewed)
+        if skewed:  # ep rank 1 (experts 2, 3) received no token and still finished the step
+            rank0, rank1 = split["local_expert_grad_norms"]
+            name = "model.layers.0.mlp.experts.gate_up_proj"
+            assert rank0[name] > 0 and rank1[name] == 0
+
+
+def test_experts_that_are_not_the_standardized_module_are_refused_by_name(tmp_path):
+    class PerExpertMLPs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    with pytest.raises(ValueError, match=r"ep=2: PerExpertMLPs's experts \(ModuleList\) are not transformers' "
+                                         r"standardized experts module"):
+        check_hf_expert_parallel(PerExpertMLPs(), 2)
+    model = build_hf_model(HFModelConfig(hf=str(save_tiny(qwen3_moe_config(num_experts=6), tmp_path / "six")), native="never"))
+    with pytest.raises(ValueError, match=r"ep=4 does not divide num_experts=6 of model.layers.0.mlp.experts"):
+        check_hf_expert_parallel(model.hf, 4)
