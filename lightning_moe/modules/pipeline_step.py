@@ -24,10 +24,12 @@ from lightning_moe.parallel.pipeline import (
     SCHEDULES,
     SINGLE_STAGE,
     SPLIT_BACKWARD,
+    V_SHAPED,
     PipelinedDecoder,
     describe_split,
     split_model,
     stage_indices,
+    tied_embedding_group,
 )
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.peft import reset_lora_parameters
@@ -55,6 +57,7 @@ class PipelineRunner:
         self.busy_and_total: list[tuple[float, float]] = []
         self._busy = 0.0
         self._ran = False  # the schedule ran since the last optimizer step
+        self.tied_group = None  # first and last stage's ranks, whose embedding copies are kept equal
 
     # ------------------------------------------------------------------ keys every rank reduces
     def sum_names(self, training: bool = True) -> list[str]:
@@ -151,6 +154,9 @@ class PipelineRunner:
         self._busy, start = 0.0, time.perf_counter()
         self.schedule.step(*((whole["input_ids"],) if first else ()), target=whole["labels"] if last else None,
                            return_outputs=False, **kwargs)
+        if self.tied_group is not None:
+            grad = self.model.embed.weight.grad
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tied_group)
         timing = torch.tensor([self._busy, time.perf_counter() - start], dtype=torch.float64, device=self.device)
         dist.all_reduce(timing, group=self.group)
         self.busy_and_total.append(tuple(timing.tolist()))
@@ -180,6 +186,12 @@ class PipelineRunner:
         return {"schedule": self.schedule_name, "pp": self.dims.pp, "vp": self.vp, "micro_batches": self.micro_batches,
                 "split": self.split, "bubble_fraction": self.bubble_fraction(),
                 "bubble_fraction_theoretical": self.theoretical_bubble_fraction()}
+
+    def uncounted_parameters(self) -> list:
+        """This rank's copies of weights the first stage's rank counts in the gradient norm (tied embeddings)."""
+        if self.tied_group is None or any(self.specs[i].embedding for i in self.local):
+            return []
+        return list(self.model.embed.parameters())
 
     def check_step_complete(self) -> None:
         """Lightning's accumulation window must end where the schedule ran: not the case after resuming a
@@ -251,7 +263,7 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
     materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
     dims, options = strategy.parallel_dims, strategy.pipeline_options
-    check_pipeline_model(config, dims)
+    check_pipeline_model(config, dims, options["pp_schedule"])
     with torch.device("meta"):
         decoder = Decoder(config)
     apply_converters(decoder, fp8, peft, freeze)
@@ -276,16 +288,18 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     if peft is not None and peft.adapter_path is not None:
         raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
     runner = PipelineRunner(model, dims, schedule, vp, specs, device)
+    if config.tie_embeddings:
+        runner.tied_group = tied_embedding_group(dims, specs, schedule, vp)
     if dist.get_rank() == 0:
         print("pipeline split:\n  " + "\n  ".join(runner.split), flush=True)
     return model, runner
 
 
-def check_pipeline_model(config, dims) -> None:
+def check_pipeline_model(config, dims, schedule: str) -> None:
     """What the pipeline does not split yet, refused before any model is built."""
-    if config.tie_embeddings:
-        raise ValueError(f"pp={dims.pp} with tie_embeddings=True: the output layer would need the first stage's "
-                         f"embedding weight; untie the embeddings or use pp=1")
+    if config.tie_embeddings and schedule in V_SHAPED:
+        raise ValueError(f"pp_schedule={schedule!r} with tie_embeddings=True: the first and last stages share a rank "
+                         f"and their embedding would be sharded twice; use 1f1b or interleaved_1f1b")
     if dims.tp > 1:
         raise ValueError(f"pp={dims.pp} with tp={dims.tp} is not supported yet; use tp=1 (FSDP, EP or CP within "
                          f"each stage)")

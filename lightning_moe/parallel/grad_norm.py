@@ -15,17 +15,20 @@ import torch
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    stage_group=None) -> torch.Tensor:
+                    stage_group=None, uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Scale gradients so that their total ``norm_type`` norm is at most ``max_norm``; returns the norm
     before clipping (a plain tensor, equal on every rank). ``stage_group``: the pipeline ranks, whose
-    parameters are different blocks of the same model (their norms are combined too)."""
+    parameters are different blocks of the same model (their norms are combined too); ``uncounted``: this
+    rank's copies of weights another pipeline rank holds and counts (tied embeddings), scaled but not counted."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
     if not grads and stage_group is None:
         return torch.zeros(())
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for grad in grads:
+    skip = {id(p) for p in uncounted}
+    for grad in [p.grad for p in parameters if id(p) not in skip]:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, grad.device)
         groups.setdefault(key, []).append(grad)
     norms = []

@@ -14,7 +14,9 @@ load the same rows): the packing layout and the label count need no communicatio
 loss enters the backward pass through its output (:class:`AttachLoss`), as Megatron does.
 
 Stages keep the parameter names of the whole model, so distributed checkpoints, export and resharding to another
-``pp``/``vp`` (or none) see one model.
+``pp``/``vp`` (or none) see one model. With tied embeddings the last stage holds a copy of the embedding (the same
+name and initial values); the two copies' gradients are summed after each schedule (Megatron's embedding group)
+and the norm counts the weight once, so both take the same steps.
 """
 
 from __future__ import annotations
@@ -206,6 +208,22 @@ def split_model(decoder: nn.Module, num_stages: int, layout: str | list[str] | N
     return [StageSpec(s, [str(i) for i in group], s == 0, s == num_stages - 1) for s, group in enumerate(groups)]
 
 
+def tied_embedding_group(dims, specs: list[StageSpec], schedule: str, vp: int):
+    """The process group over the two pipeline ranks that hold the first and the last stage (one group per
+    data/tensor-parallel coordinate), whose embedding copies must stay equal; None when one rank holds both.
+    Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    owner = {i: r for r in range(dims.pp) for i in stage_indices(r, dims.pp, vp, schedule)}
+    first, last = owner[0], owner[len(specs) - 1]
+    if first == last:
+        return None
+    ranks = dims.world_mesh.mesh.reshape(dims.pp, -1)
+    group, _ = dist.new_subgroups_by_enumeration([[int(ranks[first, j]), int(ranks[last, j])]
+                                                  for j in range(ranks.shape[1])])
+    return group if dims.pp_rank in (first, last) else None
+
+
 def describe_split(specs: list[StageSpec], pp: int, schedule: str, vp: int) -> list[str]:
     """One line per virtual stage, with the pipeline rank that holds it."""
     owner = {}
@@ -257,7 +275,10 @@ class StageModule(nn.Module):
         self.config = decoder.config
         self.spec = spec
         self.mtp_scale = mtp_scale
-        self.embed = decoder.embed if spec.embedding else None
+        # tied embeddings: the last stage reads the embedding weight as its output weight (a copy kept equal to the
+        # first stage's, see ``tied_embedding_group``)
+        tied = decoder.config.tie_embeddings and spec.output
+        self.embed = decoder.embed if spec.embedding or tied else None
         self.layers = nn.ModuleDict({name: decoder.layers[name] for name in spec.blocks})
         self.norm = decoder.norm if spec.output else None
         self.lm_head = decoder.lm_head if spec.output else None
@@ -295,7 +316,7 @@ class StageModule(nn.Module):
     def _forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
                  position_ids: torch.Tensor | None):
         layout = SequenceLayout.from_inputs(token_ids, position_ids)
-        if self.embed is not None:
+        if self.spec.embedding:
             (ids,) = inputs
             hidden = self.embed(ids)
             ahead = [self.embed(shift_left(ids, d, 0)) for d in range(1, self._mtp_depths() + 1)]
@@ -342,7 +363,8 @@ class PipelinedDecoder(nn.Module):
         super().__init__()
         self.config = decoder.config
         mine = [specs[i] for i in local]
-        self.embed = decoder.embed if any(s.embedding for s in mine) else None
+        tied = decoder.config.tie_embeddings and any(s.output for s in mine)
+        self.embed = decoder.embed if any(s.embedding for s in mine) or tied else None
         self.layers = nn.ModuleDict({name: decoder.layers[name] for s in mine for name in s.blocks})
         last = any(s.output for s in mine)
         self.norm = decoder.norm if last else None

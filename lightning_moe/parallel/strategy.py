@@ -220,7 +220,9 @@ class ParallelStrategy(ModelParallelStrategy):
         """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
         # under a pipeline each rank holds some stages' parameters: their norms are combined over the stages
         group = self.parallel_dims.mesh("pp").get_group() if self.pipeline_parallel else None
-        return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group)
+        pipeline = getattr(self.lightning_module, "_pipeline", None)
+        uncounted = pipeline.uncounted_parameters() if pipeline is not None else ()
+        return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group, uncounted=uncounted)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:

@@ -184,8 +184,10 @@ def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str
 
 
 def check_too_few_micro_batches(root: Path) -> list[str]:
-    """One micro-batch per step cannot fill 2 stages: refused before the first step, saying what fits."""
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(pp=2), max_steps=1, logger=False,
+    """One micro-batch per step (the default global batch: micro-batch x data-parallel ranks) cannot fill 2 stages:
+    refused before the first step, saying what fits."""
+    devices = int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ParallelStrategy(pp=2), max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=root)
     module = GradProbe(model=tiny_config("llama"))
     data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, vocab_size=64, num_val_samples=0)

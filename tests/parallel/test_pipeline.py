@@ -1,5 +1,5 @@
 """Pipeline parallelism (``ParallelStrategy(pp=...)``) under a real ``Trainer``: 6 steps of 1F1B (also compiled
-with activation checkpointing inside, with LoRA, with emulated FP8), interleaved 1F1B and a zero-bubble schedule
+with activation checkpointing inside, with LoRA, with emulated FP8, with tied embeddings), interleaved 1F1B and a zero-bubble schedule
 (ZBV) on a dense model and on an MoE + MTP model give the losses, gradient norms, validation losses and first-step
 gradients of one process; a pipeline with its blocks out of order or a micro-batch dropped does not; one
 micro-batch per step is refused before the first step; pipelines compose with FSDP and expert parallelism on 4
@@ -42,13 +42,14 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
          {"pp": 2, "compile": True, "compile_backend": "aot_eager", "activation_checkpointing": "full"}),
         ("dense_lora_1f1b", "llama_lora", {"pp": 2}),
         ("dense_fp8_1f1b", "llama_fp8", {"pp": 2}),
+        ("tied_embeddings_1f1b", "gpt_oss_like", {"pp": 2}),
         ("dense_zbv", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
     ]
     broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2})]
     expected = references(tmp_path, "llama", "deepseek_like", checkpoint_every=pipeline_cases.STEPS)
-    expected.update(references(tmp_path, "llama_lora", "llama_fp8"))
+    expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like"))
     run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path), expected, cases, broken, True,
                          init_process_group=False)
     check_same_export(next((tmp_path / "pp2" / "ckpt").glob("*step=6.ckpt")),

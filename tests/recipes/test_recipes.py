@@ -92,7 +92,7 @@ def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_ba
 
     vp = args.get("vp", 1)
     check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
-    check_pipeline_model(config, dims)
+    check_pipeline_model(config, dims, args.get("pp_schedule") or default_schedule(vp))
     with torch.device("meta"):
         model = Decoder(config)
     stages = split_model(model, dims.pp * vp, args.get("pp_layout"))
