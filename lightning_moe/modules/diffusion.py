@@ -34,10 +34,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_moe.checkpoint.diffusion_export import export_lora, export_transformer
 from lightning_moe.data.latent_cache import pad_prompts
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.diffusion.config import DiffusionModelConfig
-from lightning_moe.models.diffusion.export import export_lora, export_transformer
 from lightning_moe.models.diffusion.family import load_family
 from lightning_moe.models.diffusion.flow_matching import (
     FlowMatchingConfig,

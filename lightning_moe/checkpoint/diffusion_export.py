@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.peft.lora import ADAPTER_NAME, lora_modules
-from lightning_moe.peft.merge import full_tensor
+from lightning_moe.peft.merge import full_tensor, merged_state_dict
 
 
 def _is_writer() -> bool:
@@ -44,8 +44,6 @@ def export_transformer(model: nn.Module, out: str | Path, *, dtype: torch.dtype 
                        overwrite: bool = False, max_shard_size: str = "10GB") -> Path | None:
     """``model``: a ``DiffusionTransformer`` trained in full (adapters, if any, are folded in first)."""
     from huggingface_hub import save_torch_state_dict
-
-    from lightning_moe.peft.merge import merged_state_dict
 
     transformer = model.transformer
     writer = _is_writer()
