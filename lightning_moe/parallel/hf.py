@@ -38,7 +38,8 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
         if dims.tp > 1:
             raise ValueError(f"ep={dims.ep} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
                              f"tensor-parallel plan is not combined with expert parallelism there; use tp=1 or ep=1")
-        check_hf_expert_parallel(model.hf, dims.ep)
+        if isinstance(model.hf, nn.Module):  # a recipe check names the model only
+            check_hf_expert_parallel(model.hf, dims.ep)
     if dims.tp > 1:
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:

@@ -192,7 +192,7 @@ def test_checkpoint_problems_are_named(next_dir, tmp_path):
 
 @pytest.mark.parametrize("sizes, message", [
     ({"cp": 2}, r"cp=2: Qwen3NextForCausalLM runs through transformers .* use cp=1"),
-    ({"dp_shard": 2, "ep": 2}, r"ep=2: Qwen3NextForCausalLM runs through transformers .* use ep=1"),
+    ({"tp": 2, "ep": 2}, r"ep=2 with tp=2: Qwen3NextForCausalLM runs through transformers .* use tp=1 or ep=1"),
     ({"tp": 2}, r"tp=2: Qwen3NextForCausalLM's tp_plan uses moe_tp_experts, packed_colwise, which the generic "
                 r"path does not split .* use tp=1"),
 ])
@@ -203,6 +203,14 @@ def test_parallel_layouts_the_generic_path_does_not_split_are_refused(next_dir, 
     model = HFModel(build_hf_model(HFModelConfig(hf=str(next_dir))).hf)
     with pytest.raises(ValueError, match=message):
         check_hf_model(ParallelDims(**sizes, world_size=4 if len(sizes) == 2 and "tp" in sizes else 2), model)
+
+
+def test_expert_parallelism_of_standardized_experts_is_accepted(next_dir):
+    """Qwen3-Next's experts are transformers' standardized module: ep splits them (tests/hf_path/test_hf_expert_parallel.py)."""
+    from lightning_moe.parallel import ParallelDims
+    from lightning_moe.parallel.hf import check_hf_model
+
+    check_hf_model(ParallelDims(dp_shard=2, ep=2, world_size=2), HFModel(build_hf_model(HFModelConfig(hf=str(next_dir))).hf))
 
 
 def test_compiled_transformers_layers_train_like_eager(qwen3_dir):
