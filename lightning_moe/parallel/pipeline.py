@@ -114,12 +114,12 @@ def parse_layout(layout: str | list[str], num_layers: int, num_stages: int, has_
             if symbol == "t":
                 count += times
             else:
-                seen[symbol].append(index)
+                seen[symbol] += [index] * times  # named twice is refused below
         if next_block + count > num_layers:
             raise ValueError(f"{where} names {next_block + count} or more blocks; the model has {num_layers}")
         blocks = [str(i) for i in range(next_block, next_block + count)]
         next_block += count
-        specs.append(StageSpec(index, blocks, "E" in seen and index in seen["E"], index in seen["L"]))
+        specs.append(StageSpec(index, blocks, index in seen["E"], index in seen["L"]))
     if next_block != num_layers:
         raise ValueError(f"{where} places {next_block} blocks; the model has {num_layers} (every block once)")
     if seen["E"] != [0]:

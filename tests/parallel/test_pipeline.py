@@ -134,6 +134,8 @@ def test_layout_syntax_and_its_errors():
         ("Et|t|t|L", "places 3 blocks"),
         ("tE|t|t|tL", None),
         ("t|Et|t|tL", "embedding (E) must be on the first stage"),
+        ("E*2t|t|t|tL", "embedding (E) must be on the first stage, once"),
+        ("Et|t*2||tL", "stage 2 holds nothing"),
         ("Et|t|t|tL", "put m on the last stage"),
         ("Et|t|t|tx", "stage 3 has 'x'"),
     ]:
