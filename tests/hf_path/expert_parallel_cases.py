@@ -57,3 +57,9 @@ def expert_parallel_gradients(model_dir: str, out: str, sizes: dict, skewed: boo
     dist.all_gather_object(norms, local)
     if dist.get_rank() == 0:
         torch.save({"loss": total, "grads": grads, "local_expert_grad_norms": norms}, out)
+
+
+def gradients_at_layouts(model_dir: str, root: str, layouts: list[dict]) -> None:
+    """:func:`expert_parallel_gradients` at each layout in turn, in one launch (``root/grads_{i}.pt``)."""
+    for i, sizes in enumerate(layouts):
+        expert_parallel_gradients(model_dir, str(Path(root) / f"grads_{i}.pt"), sizes, skewed=False)

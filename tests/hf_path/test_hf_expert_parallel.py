@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from distributed_harness import run_distributed_test
-from expert_parallel_cases import expert_parallel_gradients, fit_expert_parallel, skew
+from expert_parallel_cases import expert_parallel_gradients, fit_expert_parallel, gradients_at_layouts, skew
 from tiny_hf_models import batch, qwen3_moe_config, save_tiny
 from torch import nn
 from trainer_cases import fit
@@ -59,6 +59,17 @@ def test_ep2_matches_one_process_in_losses_gradients_and_skewed_routing(tmp_path
             rank0, rank1 = split["local_expert_grad_norms"]
             name = "model.layers.0.mlp.experts.gate_up_proj"
             assert rank0[name] > 0 and rank1[name] == 0
+
+
+@pytest.mark.distributed
+def test_ep4_and_ep2_with_sharded_experts_match_one_process_gradients(tmp_path):
+    """Four ranks: one expert per rank (ep=4), and ep=2 with each expert FSDP-sharded over the other pair
+    (expert_fsdp of 2)."""
+    model_dir = str(save_tiny(qwen3_moe_config(), tmp_path / "qwen3_moe"))
+    layouts = [{"dp_shard": 4, "ep": 4}, {"dp_shard": 4, "ep": 2}]
+    run_distributed_test(gradients_at_layouts, 4, model_dir, str(tmp_path), layouts)
+    for i in range(len(layouts)):
+        assert_same_gradients(tmp_path / f"grads_{i}.pt", model_dir, skewed=False)
 
 
 def test_experts_that_are_not_the_standardized_module_are_refused_by_name(tmp_path):
