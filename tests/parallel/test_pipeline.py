@@ -84,9 +84,10 @@ def test_four_rank_pipelines_with_fsdp_and_expert_parallelism(tmp_path):
     cases = [
         ("pp2_fsdp2", "llama", {"pp": 2, "dp_shard": 2}),
         ("pp2_ep2", "deepseek_like", {"pp": 2, "ep": 2}),
+        ("pp2_fsdp2_tied_embeddings", "gpt_oss_like", {"pp": 2, "dp_shard": 2}),
     ]
     run_distributed_test(pipeline_cases.check_pipelines, 4, str(tmp_path),
-                         references(tmp_path, "llama", "deepseek_like"), cases, init_process_group=False)
+                         references(tmp_path, "llama", "deepseek_like", "gpt_oss_like"), cases, init_process_group=False)
 
 
 # ---------------------------------------------------------------------------------------------- no processes
