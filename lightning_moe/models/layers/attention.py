@@ -1,4 +1,4 @@
-"""Grouped-query attention with ``sdpa`` and ``flex`` backends (``te``, Transformer Engine, is reserved).
+"""Grouped-query attention with ``sdpa``, ``flex`` and ``te`` (Transformer Engine, ``layers/te.py``) backends.
 
 ``flex`` runs torch's compiled flex_attention only where its first use on this machine passed a check against
 SDPA with the same mask (``lightning_moe/kernels/flex.py``); elsewhere it takes the ``sdpa`` path.
@@ -18,6 +18,7 @@ from lightning_moe.models.config import AttentionConfig
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.rope import RotaryEmbedding, apply_rotary
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.te import require_transformer_engine, te_attention
 
 
 def attend(
@@ -51,8 +52,10 @@ def attend(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
     if backend == "te":
-        raise NotImplementedError("attention backend 'te' (Transformer Engine) is not implemented yet; use sdpa or flex")
-    raise ValueError(f"attention backend {backend!r} is not supported (sdpa, flex)")
+        if sinks is not None:
+            raise ValueError("attention backend 'te' with attention sinks (GPT-OSS) is not supported; use flex or sdpa")
+        return te_attention(q, k, v, layout, scale, window)
+    raise ValueError(f"attention backend {backend!r} is not supported (sdpa, flex, te)")
 
 
 def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -78,6 +81,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: AttentionConfig, hidden_size: int, max_position_embeddings: int,
                  norm_eps: float, window: int | None = None, norm_offset: bool = False) -> None:
         super().__init__()
+        if cfg.backend == "te":
+            require_transformer_engine("attention backend 'te'")
         self.cfg = cfg
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window

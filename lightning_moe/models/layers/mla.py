@@ -17,6 +17,7 @@ from lightning_moe.models.layers.attention import attend
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.rope import RotaryEmbedding, _yarn_mscale, apply_rotary
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.te import require_transformer_engine
 
 
 def mla_softmax_scale(cfg: AttentionConfig) -> float:
@@ -42,6 +43,8 @@ class MLA(nn.Module):
                 "ModelConfig.attention (type='mla'): kv_lora_rank, qk_rope_head_dim and v_head_dim must be > 0, got "
                 f"{cfg.kv_lora_rank}, {cfg.qk_rope_head_dim}, {cfg.v_head_dim}"
             )
+        if cfg.backend == "te":
+            require_transformer_engine("attention backend 'te'")
         self.cfg = cfg
         self.window = window
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
