@@ -9,7 +9,7 @@ not free, and the first and last stages also hold the embedding and the output l
 above the theory; the ratio between the schedules is the comparison that carries over.
 
     python benchmarks/bench_pipeline.py                       # 1f1b and interleaved_1f1b, pp=2, 4 micro-batches
-    python benchmarks/bench_pipeline.py --steps 6 --hidden 512
+    python benchmarks/bench_pipeline.py --steps 6 --hidden 256 --seq 256
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=4096)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
