@@ -26,6 +26,7 @@ from lightning_moe.checkpoint.files import HF_CONFIG, read_json
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
+from lightning_moe.models.hf_experts import force_balanced_routing
 from lightning_moe.models.hf_weights import load_hf_weights
 from lightning_moe.models.layers.loss import (
     IGNORE_INDEX,
@@ -61,6 +62,9 @@ class HFModelConfig:
             ``pretrained``; the options below then do not apply) and the rest through transformers;
             ``always`` requires a native family; ``never`` always uses transformers.
         loss_chunk_size: tokens per chunk of the fused output-layer cross entropy.
+        force_balanced: benchmarks: token copies go round-robin to the experts of transformers' standardized
+            experts modules, whatever the router chose (the native ``moe.force_balanced``); with a native family
+            set it in the native recipe's ``moe`` instead.
     """
 
     hf: str
@@ -70,6 +74,7 @@ class HFModelConfig:
     attn_implementation: str | None = None
     native: Literal["auto", "always", "never"] = "auto"
     loss_chunk_size: int = 1024
+    force_balanced: bool = False
 
     def __post_init__(self) -> None:
         if self.native not in ("auto", "always", "never"):
@@ -138,6 +143,9 @@ def native_checkpoint_dir(cfg: HFModelConfig) -> Path | None:
     directory = resolve_model_dir(cfg)
     config_json = read_config_json(directory)
     if native_family(config_json) is not None:
+        if cfg.force_balanced:
+            raise ValueError(f"model.force_balanced=true on {config_json['architectures'][0]}, which trains through "
+                             f"its native family: set moe.force_balanced in a native model config, or native: never")
         return directory
     if cfg.native == "always":
         raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
@@ -378,6 +386,8 @@ def build_hf_model(
     ``device`` -> the checkpoint's weights, each rank only its shards; adapters start from ``seed``."""
     directory = resolve_model_dir(cfg)
     model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
+    if cfg.force_balanced:
+        force_balanced_routing(model.hf)
     if convert is not None:
         convert(model)
     if parallelize is not None:

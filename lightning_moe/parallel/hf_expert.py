@@ -26,26 +26,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_moe.models.hf_experts import is_standardized_experts, standardized_experts
 from lightning_moe.models.layers.moe import Routing, TokenDispatcher, grouped_mm
 from lightning_moe.parallel.expert import AllToAllDispatcher
 from lightning_moe.parallel.local_params import use_local_parameters
 
 # set on an experts module this file split, so FSDP puts it on the expert mesh (parallel/fsdp.py)
 SPLIT_MARK = "expert_parallel_split"
-LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-
-
-def is_standardized_experts(module: nn.Module) -> bool:
-    """Built by transformers' ``use_experts_implementation`` (its layout flags and stacked projections)."""
-    if not all(hasattr(module, flag) for flag in LAYOUT_FLAGS) or not hasattr(module, "num_experts"):
-        return False
-    up = "gate_up_proj" if module.has_gate else "up_proj"
-    return isinstance(getattr(module, up, None), torch.Tensor) and isinstance(getattr(module, "down_proj", None),
-                                                                               torch.Tensor)
-
-
-def standardized_experts(hf_model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in hf_model.named_modules() if is_standardized_experts(m)]
 
 
 def other_expert_modules(hf_model: nn.Module) -> list[str]:

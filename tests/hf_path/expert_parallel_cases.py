@@ -11,9 +11,9 @@ from tiny_hf_models import batch
 from trainer_cases import fit
 
 from lightning_moe.models.hf import HFModelConfig, build_hf_model
+from lightning_moe.models.hf_experts import standardized_experts
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.hf import parallelize_hf
-from lightning_moe.parallel.hf_expert import standardized_experts
 
 
 def route_to_first_two_experts(module, args):

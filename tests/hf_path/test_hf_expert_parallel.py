@@ -1,6 +1,7 @@
 """Expert parallelism on the generic path: Qwen3-MoE forced through transformers (``native: never``), its
 standardized experts split over ep, against one process: five Trainer steps' losses, the first backward's
-gradients element by element, and a step whose routing leaves one ep rank without a token."""
+gradients element by element, and a step whose routing leaves one ep rank without a token; and benchmarks'
+balanced routing (``force_balanced``) there."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tiny_hf_models import batch, qwen3_moe_config, save_tiny
 from torch import nn
 from trainer_cases import fit
 
-from lightning_moe.models.hf import HFModelConfig, build_hf_model
+from lightning_moe.models.hf import HFModelConfig, build_hf_model, native_checkpoint_dir
+from lightning_moe.models.hf_experts import standardized_experts
 from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
 
 
@@ -84,3 +86,26 @@ def test_experts_that_are_not_the_standardized_module_are_refused_by_name(tmp_pa
     model = build_hf_model(HFModelConfig(hf=str(save_tiny(qwen3_moe_config(num_experts=6), tmp_path / "six")), native="never"))
     with pytest.raises(ValueError, match=r"ep=4 does not divide num_experts=6 of model.layers.0.mlp.experts"):
         check_hf_expert_parallel(model.hf, 4)
+
+
+def test_force_balanced_routes_round_robin_and_trains(tmp_path):
+    """Benchmarks on the generic path: every experts module receives each expert's equal share of the token
+    copies (slot i -> expert i % E); the loss still backpropagates into the router."""
+    model_dir = str(save_tiny(qwen3_moe_config(), tmp_path / "qwen3_moe"))
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never", force_balanced=True))
+    seen = []
+    for _, experts in standardized_experts(model.hf):
+        experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].clone()))
+    data = batch(rows=4)
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    tokens = data["input_ids"].numel()
+    assert len(seen) == 2
+    for index in seen:
+        assert torch.equal(index.flatten(), torch.arange(tokens * 2) % 4)
+    assert model.hf.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    routed = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
+    assert not torch.allclose(routed(data["input_ids"], labels=data["labels"]).loss_sum, loss.detach())
+    with pytest.raises(ValueError, match=r"model.force_balanced=true on Qwen3MoeForCausalLM, which trains through "
+                                         r"its native family"):
+        native_checkpoint_dir(HFModelConfig(hf=model_dir, force_balanced=True))
