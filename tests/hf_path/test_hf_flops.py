@@ -77,3 +77,32 @@ def test_architectures_without_a_native_family_are_counted():
     counted = CountedFlops(t.OlmoeForCausalLM, config)
     assert counted.batch_flops(torch.arange(32).expand(2, 32)) == pytest.approx(
         real_step_flops(config, [32], rows=2), rel=0.05)
+
+
+def test_throughput_counts_a_generic_path_run_by_its_fake_step(tmp_path):
+    """A Trainer run of OLMoE (no native family) through CausalLM: Throughput's FLOPs are the counted ones of
+    the very micro-batches, and the run card names the method."""
+    import lightning as L
+    import transformers as t
+    from tiny_hf_models import save_tiny
+
+    from lightning_moe.callbacks import Throughput
+    from lightning_moe.data import MockDataModule
+    from lightning_moe.models.hf import HFModelConfig
+    from lightning_moe.models.hf_flops import COUNTED_METHOD
+    from lightning_moe.modules.causal_lm import CausalLM
+    from lightning_moe.modules.optim import OptimizerConfig
+
+    config = t.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    model_dir = save_tiny(config, tmp_path / "olmoe")
+    throughput = Throughput()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[throughput], default_root_dir=tmp_path)
+    data = MockDataModule(seq_length=16, micro_batch_size=2, global_batch_size=4, vocab_size=VOCAB,
+                          num_val_samples=0)
+    trainer.fit(CausalLM(model=HFModelConfig(hf=str(model_dir)), optimizer=OptimizerConfig(lr=1e-3)), datamodule=data)
+    assert throughput.summary()["flops_method"] == COUNTED_METHOD
+    expected = 2 * CountedFlops(t.OlmoeForCausalLM, config).batch_flops(torch.arange(16).expand(2, 16))
+    assert throughput.history.values()[0].flops == pytest.approx(expected)
