@@ -15,6 +15,8 @@ parallelism of other experts modules or together with tensor parallelism, and pl
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -31,9 +33,13 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
     """Raise a one-line message for the parallel sizes the generic path does not support."""
     name = type(model.hf).__name__
     if dims.cp > 1:
-        raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where data parallelism "
-                         f"(FSDP2/HSDP), its own tensor-parallel plan, expert parallelism of standardized experts "
-                         f"and activation checkpointing apply; use cp=1, or a natively supported architecture")
+        state = sequence_state_layers(model.hf) if isinstance(model.hf, nn.Module) else []
+        carried = (f" ({', '.join(state)} carry a state along the sequence, which context parallelism would have to "
+                   f"hand from rank to rank)" if state else "")
+        raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism is "
+                         f"not built{carried}; data parallelism (FSDP2/HSDP), its own tensor-parallel plan, expert "
+                         f"parallelism of standardized experts and activation checkpointing apply; use cp=1, or a "
+                         f"natively supported architecture")
     if dims.ep > 1:
         if dims.tp > 1:
             raise ValueError(f"ep={dims.ep} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
@@ -44,6 +50,18 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
         raise ValueError(f"{name}: no repeated blocks found to shard (no _no_split_modules and no ModuleList)")
+
+
+# layers whose output at a token depends on a state carried from earlier tokens (linear attention, Mamba), by class
+SEQUENCE_STATE_CLASSES = re.compile(r"(Mamba\d?Mixer|GatedDeltaNet|DeltaAttention|LightningAttention)$")
+SEQUENCE_STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "lightning_attention")
+
+
+def sequence_state_layers(hf_model: nn.Module) -> list[str]:
+    """Class names of ``hf_model``'s sequence-state layers, and its config's ``layer_types`` of that kind."""
+    classes = {type(m).__name__ for m in hf_model.modules() if SEQUENCE_STATE_CLASSES.search(type(m).__name__)}
+    types = getattr(hf_model.config.get_text_config(), "layer_types", None) or []
+    return sorted(classes) + sorted({f"layer type {t!r}" for t in types if t in SEQUENCE_STATE_LAYER_TYPES})
 
 
 def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:

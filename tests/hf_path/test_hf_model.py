@@ -191,7 +191,8 @@ def test_checkpoint_problems_are_named(next_dir, tmp_path):
 
 
 @pytest.mark.parametrize("sizes, message", [
-    ({"cp": 2}, r"cp=2: Qwen3NextForCausalLM runs through transformers .* use cp=1"),
+    ({"cp": 2}, r"cp=2: Qwen3NextForCausalLM runs through transformers .* \(Qwen3NextGatedDeltaNet, layer type "
+                r"'linear_attention' carry a state along the sequence.* use cp=1"),
     ({"tp": 2, "ep": 2}, r"ep=2 with tp=2: Qwen3NextForCausalLM runs through transformers .* use tp=1 or ep=1"),
     ({"tp": 2}, r"tp=2: Qwen3NextForCausalLM's tp_plan uses moe_tp_experts, packed_colwise, which the generic "
                 r"path does not split .* use tp=1"),
