@@ -88,7 +88,7 @@ def tiny_config(name: str) -> ModelConfig:
                                                    chunk_size=4 if gdn else 16),
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, num_shared_experts=1,
                           shared_intermediate_size=16, shared_expert_gate=gdn),
-            mlp=MLPConfig(32), norm_offset=gdn, init_std=0.05,
+            mlp=MLPConfig(32), norm_offset=gdn, init_std=0.05 if gdn else 0.02,
         )
     if name == "llama_wide":  # every tensor-parallel shard of every GEMM a whole number of 32-element MX blocks
         return ModelConfig(

@@ -3,9 +3,10 @@ process: five fp32 steps on packed rows, losses within 1e-5, gradient norms and 
 logits before training too. Each rank trades its tokens for whole (key) heads and runs the delta rule over
 the whole row (``parallel/mamba.py``). One 2-rank launch runs all layouts.
 
-AdamW runs at lr 1e-3 here (the other layouts' tests: 1e-2): the first-step gradients agree to ~2e-6 relative
-(projections of a rank's tokens round differently, and the chunk's triangular solve amplifies that), and at
-1e-2 Adam's near-sign updates of the smallest gradient elements turn it into loss drift above 1e-5 by step 3."""
+AdamW runs at lr 1e-3 here (the other layouts' tests: 1e-2), the KDA model at init std 0.02: the first-step
+gradients agree to ~2e-6 relative (projections of a rank's tokens round differently, and the chunk's triangular
+solve amplifies that), and at 1e-2 Adam's near-sign updates of the smallest gradient elements turn it into loss
+drift above 1e-5 by step 3."""
 
 from __future__ import annotations
 
