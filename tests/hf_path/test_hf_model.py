@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_hf_models import VOCAB, batch, kimi_linear_config, qwen3_next_config, save_tiny
+from tiny_hf_models import VOCAB, batch, kimi_linear_config, olmoe_config, qwen3_next_config, save_tiny
 
 from lightning_moe.models.hf import HFModel, HFModelConfig, build_hf_model, hf_converters
 from lightning_moe.modules.causal_lm import CausalLM
@@ -17,6 +17,11 @@ from lightning_moe.modules.causal_lm import CausalLM
 @pytest.fixture(scope="module")
 def next_dir(tmp_path_factory):
     return save_tiny(qwen3_next_config(), tmp_path_factory.mktemp("qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tmp_path_factory):
+    return save_tiny(olmoe_config(), tmp_path_factory.mktemp("olmoe"))
 
 
 @pytest.fixture(scope="module")
@@ -119,20 +124,20 @@ def test_packed_rows_attention_model_and_refusal_for_linear_attention(qwen3_dir,
     hybrid(data["input_ids"], positions, labels=padded)
 
 
-def test_native_families_are_used_automatically(qwen3_dir, next_dir):
+def test_native_families_are_used_automatically(qwen3_dir, olmoe_dir):
     native = CausalLM(model=HFModelConfig(hf=str(qwen3_dir)))
     assert native.resolved_config().family == "qwen3"
     assert native.pretrained == str(qwen3_dir) and native.model_config is None
     forced = CausalLM(model=HFModelConfig(hf=str(qwen3_dir), native="never"))
     forced._route_hf()
     assert isinstance(forced.model_config, HFModelConfig)
-    generic = CausalLM(model=HFModelConfig(hf=str(next_dir)))
+    generic = CausalLM(model=HFModelConfig(hf=str(olmoe_dir)))
     generic._route_hf()
     assert isinstance(generic.model_config, HFModelConfig)
-    with pytest.raises(ValueError, match="native=always but Qwen3NextForCausalLM has no native family"):
-        CausalLM(model=HFModelConfig(hf=str(next_dir), native="always"))._route_hf()
+    with pytest.raises(ValueError, match="native=always but OlmoeForCausalLM has no native family"):
+        CausalLM(model=HFModelConfig(hf=str(olmoe_dir), native="always"))._route_hf()
     with pytest.raises(ValueError, match="drop `pretrained`"):
-        CausalLM(model=HFModelConfig(hf=str(next_dir)), pretrained=str(next_dir))
+        CausalLM(model=HFModelConfig(hf=str(olmoe_dir)), pretrained=str(olmoe_dir))
 
 
 def test_lora_and_fp8_converters_on_transformers_names(next_dir):

@@ -39,6 +39,18 @@ def kimi_linear_config(**overrides):
     return t.KimiLinearConfig(**{**settings, **overrides})
 
 
+def olmoe_config(**overrides):
+    """OLMoE: a MoE architecture with no native family (the generic path's own case)."""
+    import transformers as t
+
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    return t.OlmoeConfig(**{**settings, **overrides})
+
+
 def save_tiny(config, path: Path, seed: int = 0, std: float = 0.1) -> Path:
     """A random model of ``config`` written with ``save_pretrained`` (fp32)."""
     import transformers as t

@@ -7,7 +7,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from tiny_hf_models import qwen3_next_config, save_tiny
+from tiny_hf_models import olmoe_config, save_tiny
 from tiny_vlm import save_tiny_vlm
 
 from lightning_moe import HFModelConfig
@@ -52,9 +52,9 @@ def test_medpix_twin_trains(tmp_path):
 
 
 def test_generic_twin_trains(tmp_path):
-    model_dir = save_tiny(qwen3_next_config(), tmp_path / "qwen3_next")
+    model_dir = save_tiny(olmoe_config(), tmp_path / "olmoe")  # no native family: trains through transformers
     run = cli("--config", str(CONFIGS / "tiny" / "hf_causal_lm.yaml"), f"--model.init_args.model.hf={model_dir}",
               *quick(tmp_path))
     run.trainer.fit(run.model, datamodule=run.datamodule)
-    assert type(run.model.model.hf).__name__ == "Qwen3NextForCausalLM"
+    assert type(run.model.model.hf).__name__ == "OlmoeForCausalLM"
     assert run.model.step_stats.step == 2
