@@ -96,23 +96,6 @@ def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:
     return expanded
 
 
-def vocab_parallel_loss(hidden: torch.Tensor, weight, labels: torch.Tensor,
-                        chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused cross entropy of replicated ``hidden`` against an output weight split by vocabulary rows (a DTensor):
-    local logits, all-reduced softmax statistics; each rank's ``hidden`` gradient covers its rows only, so the
-    backward sums them over the tensor-parallel ranks."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from lightning_moe.models.layers.loss import linear_cross_entropy
-
-    mesh = weight.device_mesh
-    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-    hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-    return linear_cross_entropy(hidden, weight.to_local(), labels, chunk_size, vocab_group=mesh.get_group(),
-                                vocab_start=offset[0])
-
-
 def parallelize_hf(
     model: nn.Module,
     dims: ParallelDims,
