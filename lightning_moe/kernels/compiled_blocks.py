@@ -4,7 +4,7 @@ Inductor generates C++ for the CPU's vector ISA, and that code has been wrong on
 for one such kernel). A compiled block's first call per (block kind, device type, dtype, input shapes, grad
 mode) runs the block eagerly and compiled on the same inputs and compares the outputs and, when training,
 the gradients of the inputs and of the block's parameters (``torch.autograd.grad``: nothing accumulates into
-``.grad``). A mismatch or a build failure keeps every block on that device type and dtype eager for the rest of
+``.grad``; blocks sharded by FSDP compare outputs only, since a backward inside FSDP's forward reshards). A mismatch or a build failure keeps every block on that device type and dtype eager for the rest of
 the process, with one warning. GPU blocks are not checked: Triton code does not depend on the CPU.
 """
 
@@ -14,6 +14,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_moe.kernels.checks import is_broken, is_checked, normalized_error, run_check
@@ -42,7 +43,9 @@ def guard_compiled_block(block: nn.Module, eager_forward, compiled_forward):
         device, dtype = tensors[0].device, tensors[0].dtype
         if is_broken(KERNEL, device, dtype):
             return eager_forward(*args, **kwargs)
-        grad = torch.is_grad_enabled()
+        # a backward inside FSDP's forward would run FSDP's end-of-backward callback, which reshards every unit
+        # (this block's parameters too) under the real call: blocks with FSDP units are checked forward only
+        grad = torch.is_grad_enabled() and not _holds_fsdp_units(block)
         # the arguments' cached state (a layout's masks, filled by the first block of a forward) changes the
         # compiled code: blocks after the first run another variant, checked on its own
         signature = (kind, *(f"{tuple(t.shape)}" for t in tensors), *_cached_state(args, kwargs),
@@ -55,6 +58,10 @@ def guard_compiled_block(block: nn.Module, eager_forward, compiled_forward):
         return eager_forward(*args, **kwargs)
 
     return forward
+
+
+def _holds_fsdp_units(block: nn.Module) -> bool:
+    return any(isinstance(module, FSDPModule) for module in block.modules())
 
 
 def _is_float_tensor(value) -> bool:
