@@ -27,3 +27,25 @@ def fresh_kernel_checks():
     reset_kernel_checks()
     yield
     reset_kernel_checks()
+
+
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                   "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A test that trains in this process (a Trainer, the CLI in-process) ends with no process group and the
+    launcher variables it found: a leftover group keeps its store's port open and a leftover MASTER_PORT sends
+    every later subprocess launch to that port (EADDRINUSE)."""
+    import torch.distributed as dist
+
+    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
