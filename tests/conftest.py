@@ -35,17 +35,17 @@ DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RA
 
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
-    """A test that trains in this process (a Trainer, the CLI in-process) ends with no process group and the
-    launcher variables it found: a leftover group keeps its store's port open and a leftover MASTER_PORT sends
-    every later subprocess launch to that port (EADDRINUSE)."""
+    """Each test starts and ends with no process group and no launcher variables: a group left by a test that
+    trained in this process keeps its store's port open, and a MASTER_PORT left in the environment sends every
+    later subprocess launch to that port (EADDRINUSE)."""
     import torch.distributed as dist
 
-    before = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    for name, value in before.items():
-        if value is None:
+    def clear() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for name in DISTRIBUTED_ENV:
             os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+
+    clear()
+    yield
+    clear()
