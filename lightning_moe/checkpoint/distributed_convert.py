@@ -178,16 +178,17 @@ class RankZeroDirectory:
         dist.broadcast_object_list(box, src=0)
         self.path: Path = box[0]
 
-    def close(self, error: BaseException | None) -> None:
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, error, traceback) -> bool:
         import torch.distributed as dist
 
         if error is None:
             dist.barrier()  # every rank has written its files
         if self._context is not None:
-            if error is None:
-                self._context.__exit__(None, None, None)
-            else:
-                self._context.__exit__(type(error), error, error.__traceback__)
+            self._context.__exit__(exc_type, error, traceback)
+        return False
 
 
 def import_hf_checkpoint_distributed(hf_dir: str | Path, out: str | Path, layout: ConversionLayout, *,
@@ -210,19 +211,12 @@ def import_hf_checkpoint_distributed(hf_dir: str | Path, out: str | Path, layout
         state[m.native] = layout.sharded(local, shape)
     for m in owned:
         state.update(zip(m.natives, m.natives_from_hf([source.reader.get(name) for name in m.hf])))
-    staging = RankZeroDirectory(out, overwrite)
-    error = None
-    try:
-        dcp.save({STATE_DICT: state}, storage_writer=dcp.FileSystemWriter(staging.path))
+    with RankZeroDirectory(out, overwrite) as staging:
+        dcp.save({STATE_DICT: state}, storage_writer=dcp.FileSystemWriter(staging))
         if layout.rank == 0:
-            source.config.save(staging.path / NATIVE_CONFIG)
-            (staging.path / ORIGINAL_HF_CONFIG).write_text(json.dumps(source.hf_config, indent=2) + "\n")
-            copy_aux_files(source.directory, staging.path)
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        staging.close(error)
+            source.config.save(staging / NATIVE_CONFIG)
+            (staging / ORIGINAL_HF_CONFIG).write_text(json.dumps(source.hf_config, indent=2) + "\n")
+            copy_aux_files(source.directory, staging)
     return out
 
 
@@ -274,10 +268,8 @@ def export_hf_checkpoint_distributed(ckpt: str | Path, out: str | Path, layout: 
     maps = family.weight_map(source.config)
     stacks, owned = split_maps(maps, source.config, layout)
     tensors = local_natives(source, stacks, owned, layout)
-    staging = RankZeroDirectory(out, overwrite)
-    error = None
-    try:
-        writer = ShardedWriter(staging.path, max_shard_bytes, temp_prefix=f"rank{layout.rank:05d}-")
+    with RankZeroDirectory(out, overwrite) as staging:
+        writer = ShardedWriter(staging, max_shard_bytes, temp_prefix=f"rank{layout.rank:05d}-")
         mine = {id(m) for m in stacks + owned}
         for m in maps:  # in the one-process export's order
             if id(m) not in mine:
@@ -295,15 +287,10 @@ def export_hf_checkpoint_distributed(ckpt: str | Path, out: str | Path, layout: 
         before = sum(len(s) for s, _ in everyone[:layout.rank])
         names = final_shard_names(sum(len(s) for s, _ in everyone))
         for (temp, _), name in zip(shards, names[before:]):
-            os.replace(staging.path / temp, staging.path / name)  # each rank names its own files
+            os.replace(staging / temp, staging / name)  # each rank names its own files
         if layout.rank == 0:
-            name_shards(staging.path, [shard for s, _ in everyone for shard in s], sum(b for _, b in everyone),
+            name_shards(staging, [shard for s, _ in everyone for shard in s], sum(b for _, b in everyone),
                         rename=False)
-            (staging.path / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
-            copy_aux_files(source.directory, staging.path)
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        staging.close(error)
+            (staging / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+            copy_aux_files(source.directory, staging)
     return out

@@ -40,11 +40,11 @@ from lightning_moe.models.layers.moe import GroupedExperts, Router
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
+from lightning_moe.parallel.strategy import dtype_option
 
 GIB = 1024**3
 COMPONENTS = ("parameters", "gradients", "optimizer states", "FSDP working set", "activations", "loss buffers")
 EMBEDDING, OUTPUT = "embedding", "final norm and output layer"  # FSDP units outside the repeated blocks
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -130,8 +130,8 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     options = layout.strategy
     stored = stored_dtype(layout.precision)
     # FSDP's mixed precision casts the gathered parameters; without FSDP they compute in their stored dtype
-    compute = DTYPES.get(options.get("param_dtype") or "", None) if dims.fsdp_enabled else None
-    reduce = DTYPES.get(options.get("reduce_dtype") or "float32", torch.float32)
+    compute = dtype_option(options.get("param_dtype"), "param_dtype") if dims.fsdp_enabled else None
+    reduce = dtype_option(options.get("reduce_dtype", "float32"), "reduce_dtype") or torch.float32
     _, model = build_fake_decoder(layout, stored)
     blocks = repeated_blocks(model)
     experts, tp_split = _expert_params(model), _tp_split(model)

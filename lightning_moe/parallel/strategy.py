@@ -62,7 +62,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "float32": torch.float32, "fp32": torch.float32}
 
 
-def _dtype(name: str | None, key: str) -> torch.dtype | None:
+def dtype_option(name: str | None, key: str) -> torch.dtype | None:
+    """A dtype setting by name (``bfloat16`` / ``bf16`` ...), or a one-line error naming ``key``."""
     if name is None:
         return None
     if name not in DTYPES:
@@ -136,8 +137,8 @@ class ParallelStrategy(ModelParallelStrategy):
             "activation_checkpointing_every": activation_checkpointing_every,
             "compile": compile,
             "compile_backend": compile_backend,
-            "param_dtype": _dtype(param_dtype, "param_dtype"),
-            "reduce_dtype": _dtype(reduce_dtype, "reduce_dtype"),
+            "param_dtype": dtype_option(param_dtype, "param_dtype"),
+            "reduce_dtype": dtype_option(reduce_dtype, "reduce_dtype"),
             "cpu_offload": cpu_offload,
             "reshard_after_forward": reshard_after_forward,
         }
