@@ -66,9 +66,17 @@ def kimi_linear_checkpoint(path: Path) -> Path:
     return path
 
 
+def qwen3_5_vlm_checkpoint(path: Path) -> Path:
+    """A Qwen3.5 image-text-to-text checkpoint with its tokenizer and image processor (the twin's processor)."""
+    from vlm.tiny_vlm import save_tiny_vlm
+
+    return save_tiny_vlm(path, family="qwen3_5")
+
+
 CHECKPOINTS = {"tiny/nemotron_h_sft.yaml": nemotron_h_checkpoint, "tiny/nemotron_h_sft_tulu3.yaml": nemotron_h_checkpoint,
                "tiny/nemotron_h_lora.yaml": nemotron_h_checkpoint, "tiny/dense_lora_benchmark.yaml": llama_checkpoint,
-               "tiny/kimi_linear_hellaswag_sft.yaml": kimi_linear_checkpoint}
+               "tiny/kimi_linear_hellaswag_sft.yaml": kimi_linear_checkpoint,
+               "tiny/qwen3_5_medpix_vlm.yaml": qwen3_5_vlm_checkpoint}
 
 
 def cli(*args: str):
@@ -88,6 +96,8 @@ def test_twin_trains_two_steps_on_cpu(twin, tmp_path):
                  f"--trainer.default_root_dir={tmp_path / 'run'}"]
     if twin in CHECKPOINTS:
         overrides.append(f"--model.init_args.model.hf={CHECKPOINTS[twin](tmp_path / 'hf')}")
+    if resolved(twin)["data"]["class_path"].endswith("MedPixDataModule"):
+        overrides.append(f"--data.init_args.processor={tmp_path / 'hf'}")  # the checkpoint's own processor
     if resolved(twin)["data"]["class_path"].endswith(("SFTDataModule", "PretrainDataModule")):
         overrides.append(f"--data.init_args.cache_dir={tmp_path / 'cache'}")
     run = cli("--config", str(CONFIGS / twin), *overrides)
