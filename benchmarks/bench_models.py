@@ -12,9 +12,13 @@ shown net of the weights + gradients + AdamW state every implementation must hol
     python benchmarks/bench_models.py --workloads dense moe mla nemotron_h --seqs 512 4096 --dtypes float32
 
 Each run also measures, in the same process and threads, the machine's GEMM rate at the model's own matmul
-shapes (every mm / addmm / bmm / grouped mm a training step of that run executes, captured once and re-timed on
-its own) and the best square-GEMM rate (4096^3), and reports the step's model FLOP/s (the package's FLOP count
-of the native config, the same for both implementations) as a fraction of each. Rows at ``--seqs`` other than
+shapes: every mm / addmm / bmm / grouped mm one training step executes is captured once and replayed exactly as
+the step called it (same op, arguments, strides, dtypes, order, grouped GEMMs with the step's group offsets;
+warm), right after each timed step. "of shape" is the step's model FLOP/s (the package's FLOP count of the
+native config, the same for both implementations) over the replay's FLOP/s (FLOPs counted from the operands,
+grouped GEMMs included), the median over steps; "GEMM time" is the replay's time over the step's. Both stay
+below 100% unless the model FLOPs outside the captured GEMMs (SDPA's fused attention kernels) run faster than
+GEMMs. Also the best square-GEMM rate (4096^3), "of best". Rows at ``--seqs`` other than
 the workload's own keep ~2048 tokens per step (batch = 2048 // seq, at least 1).
 
 Targets: native >= 1.3x tokens/s and <= 0.8x peak memory of transformers; step model FLOP/s >= 90% of the shape
@@ -114,11 +118,13 @@ class TensorSpec:
 
         if self.values is not None:
             return self.values
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype).normal_()
+        # random storage viewed with the captured strides (stride 0 included: an expanded bias or gradient)
+        storage = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride) if size > 0)
+        return torch.randn(storage, dtype=self.dtype).as_strided(self.shape, self.stride)
 
 
 def captured_gemms(step) -> list[tuple]:
-    """The GEMMs one call of ``step`` executes: (op, args, kwargs) with tensors as :class:`TensorSpec`."""
+    """The GEMMs one call of ``step`` executes, in order: (op, args, kwargs) with tensors as :class:`TensorSpec`."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
@@ -139,30 +145,62 @@ def captured_gemms(step) -> list[tuple]:
     return calls
 
 
-def shape_gemm_rate(calls: list[tuple], repeats: int = 3) -> float:
-    """FLOP/s of the captured GEMMs, each re-run alone on random inputs of its shapes (best of ``repeats``)."""
-    from torch.utils._pytree import tree_map
-    from torch.utils.flop_counter import FlopCounterMode
+def gemm_flops(func, args: tuple, kwargs: dict) -> int:
+    """``2*M*K*N`` of one captured GEMM, counted from its operands (``torch.utils.flop_counter`` has no formula
+    for ``_grouped_mm`` and would count it as 0). Grouped GEMMs count the rows, columns or contraction the
+    offsets cover: 2d x 3d splits M, 3d x 2d splits N, 2d x 2d splits K (the weight gradient), 3d x 3d none."""
+    name = func.overloadpacket.__name__
+    if name in ("mm", "bmm"):
+        a, b = args[0].shape, args[1].shape
+    elif name in ("addmm", "baddbmm"):
+        a, b = args[1].shape, args[2].shape
+    elif name == "_grouped_mm":
+        a, b = args[0].shape, args[1].shape
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        used = None if offs is None else int(offs.values[-1])
+        m, k, n = a[-2], a[-1], b[-1]
+        if len(a) == 2 and len(b) == 3:
+            return 2 * (used if used is not None else m) * k * n
+        if len(a) == 3 and len(b) == 2:
+            return 2 * m * k * (used if used is not None else n)
+        if len(a) == 2 and len(b) == 2:
+            return 2 * m * (used if used is not None else k) * n
+        return 2 * a[0] * m * k * n
+    else:
+        raise ValueError(f"no FLOP formula for captured GEMM {name}")
+    batch = a[0] if len(a) == 3 else 1
+    return 2 * batch * a[-2] * a[-1] * b[-1]
 
-    def build(value):
-        return value.build() if isinstance(value, TensorSpec) else value
 
-    unique: dict[str, list] = {}
-    for func, args, kwargs in calls:
-        unique.setdefault(repr((func, args, kwargs)), [func, args, kwargs, 0])[3] += 1
-    flops = seconds = 0.0
-    for func, args, kwargs, count in unique.values():
-        real_args, real_kwargs = tree_map(build, args), tree_map(build, kwargs)
-        with FlopCounterMode(display=False) as counter:
-            func(*real_args, **real_kwargs)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            func(*real_args, **real_kwargs)
-            best = min(best, time.perf_counter() - start)
-        flops += counter.get_total_flops() * count
-        seconds += best * count
-    return flops / seconds
+class GemmReplay:
+    """The captured GEMMs re-run exactly as the step called them: same ops, arguments, shapes, strides, dtypes
+    and order (grouped GEMMs with the step's own group offsets), on random inputs built once and reused, so the
+    replay runs warm. :meth:`run` is timed between training steps, so step and reference share the machine's
+    load at that moment; the step runs all these GEMMs and more, so its time cannot honestly be below theirs."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        from torch.utils._pytree import tree_map
+
+        built: dict[str, object] = {}
+
+        def build(value):
+            if not isinstance(value, TensorSpec):
+                return value
+            key = repr(value)
+            if key not in built:
+                built[key] = value.build()
+            return built[key]
+
+        self.flops = sum(gemm_flops(func, args, kwargs) for func, args, kwargs in calls)
+        self.calls = [(func, tree_map(build, args), tree_map(build, kwargs)) for func, args, kwargs in calls]
+        self.run()  # warm: first-touch of the inputs, the BLAS library's own first-call setup
+
+    def run(self) -> float:
+        """Seconds to run every captured GEMM once, in the step's order."""
+        start = time.perf_counter()
+        for func, args, kwargs in self.calls:
+            func(*args, **kwargs)
+        return time.perf_counter() - start
 
 
 def _rss_bytes(field: str) -> int:
@@ -213,13 +251,19 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
 
     for _ in range(warmup):
         train_step()
-    gemms = captured_gemms(train_step) if rates else []
+    replay = GemmReplay(captured_gemms(train_step)) if rates else None
     state_bytes = sum(p.numel() * p.element_size() * 4 for p in model.parameters())  # weight, grad, 2 moments
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     baseline = _rss_bytes("VmRSS")
-    start, start_cpu = time.perf_counter(), time.process_time()
-    losses = [train_step() for _ in range(steps)]
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    losses, step_seconds, gemm_seconds, cpu = [], [], [], 0.0
+    for _ in range(steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses.append(train_step())
+        step_seconds.append(time.perf_counter() - start)
+        cpu += time.process_time() - start_cpu
+        if replay is not None:  # right after the step: the same load, threads and process
+            gemm_seconds.append(replay.run())
+    elapsed = sum(step_seconds)
     result = {}
     if rates:
         from lightning_moe.callbacks.peak_flops import measure_cpu_peak_flops
@@ -229,7 +273,14 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
         hf = json.loads((weights / "config.json").read_text())
         config = family_for_hf_config(hf).from_hf_config(hf)  # the native model's config, for both implementations
         step_flops = flops_per_token(config, seq) * batch * seq
-        result = {"model_flops_per_s": step_flops * steps / elapsed, "shape_gemm_flops_per_s": shape_gemm_rate(gemms),
+        # per step, GEMM time over step time, timed back to back: a load change between steps cancels out
+        shares = sorted(g / t for g, t in zip(gemm_seconds, step_seconds))
+        share = shares[len(shares) // 2]
+        shape_rate = replay.flops / min(gemm_seconds)
+        result = {"model_flops_per_s": step_flops * steps / elapsed, "shape_gemm_flops_per_s": shape_rate,
+                  # model FLOP/s as a fraction of the GEMM rate at the step's own shapes, per step (median)
+                  "of_shape": share * step_flops / replay.flops,
+                  "gemm_time_share": share, "gemm_flops_per_model_flop": replay.flops / step_flops,
                   "best_gemm_flops_per_s": measure_cpu_peak_flops(dtype, 4096, repeats=2)}
     return {**result,
         "tokens_per_s": batch * seq * steps / elapsed,
@@ -306,17 +357,18 @@ def main() -> None:
                     rows.append((label, best))
 
     print(f"{'workload':20} {'impl':13} {'tokens/s':>9} {'tok/cpu-s':>10} {'GFLOP/s':>8} {'of shape':>9} "
-          f"{'of best':>8} {'peak RSS MiB':>13} {'peak net MiB':>13} {'loss@1':>8}")
+          f"{'GEMM time':>10} {'of best':>8} {'peak RSS MiB':>13} {'peak net MiB':>13} {'loss@1':>8}")
     for name, best in rows:
         for impl, r in best.items():
             net = (r["peak_above_start"] - r["state_bytes"]) / 2**20
             print(f"{name:20} {impl:13} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:10.0f} "
-                  f"{r['model_flops_per_s'] / 1e9:8.1f} {r['model_flops_per_s'] / r['shape_gemm_flops_per_s']:9.0%} "
+                  f"{r['model_flops_per_s'] / 1e9:8.1f} {r['of_shape']:9.0%} {r['gemm_time_share']:10.0%} "
                   f"{r['model_flops_per_s'] / r['best_gemm_flops_per_s']:8.0%} "
                   f"{r['peak_rss'] / 2**20:13.0f} {net:13.0f} {r['first_loss']:8.4f}")
         for impl, r in best.items():
             print(f"{name:20} {impl} GEMM rates in the same process: {r['shape_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
-                  f"at the model's shapes, {r['best_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s at 4096^3")
+                  f"at the step's own GEMMs (best replay; they hold {r['gemm_flops_per_model_flop']:.0%} of the model "
+                  f"FLOPs), {r['best_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s at 4096^3")
         if {"transformers", "native"} <= set(best):
             ours, hf = best["native"], best["transformers"]
             speed = ours["tokens_per_s"] / hf["tokens_per_s"]
