@@ -155,7 +155,11 @@ class PipelineRunner:
         self.schedule.step(*((whole["input_ids"],) if first else ()), target=whole["labels"] if last else None,
                            return_outputs=False, **kwargs)
         if self.tied_group is not None:
-            grad = self.model.embed.weight.grad
+            weight = self.model.embed.weight
+            if hasattr(weight.grad, "placements") and weight.grad.placements != weight.placements:
+                # under tensor parallelism the embedding's backward leaves a replicated gradient of the split weight
+                weight.grad = weight.grad.redistribute(placements=weight.placements)
+            grad = weight.grad
             dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tied_group)
         timing = torch.tensor([self._busy, time.perf_counter() - start], dtype=torch.float64, device=self.device)
         dist.all_reduce(timing, group=self.group)
@@ -300,9 +304,6 @@ def check_pipeline_model(config, dims, schedule: str) -> None:
     if config.tie_embeddings and schedule in V_SHAPED:
         raise ValueError(f"pp_schedule={schedule!r} with tie_embeddings=True: the first and last stages share a rank "
                          f"and their embedding would be sharded twice; use 1f1b or interleaved_1f1b")
-    if dims.tp > 1:
-        raise ValueError(f"pp={dims.pp} with tp={dims.tp} is not supported yet; use tp=1 (FSDP, EP or CP within "
-                         f"each stage)")
     if dims.cp > 1 and config.mtp is not None and config.mtp.num_layers:
         raise ValueError(f"pp={dims.pp} with cp={dims.cp} and MTP depths is not supported (the depths read tokens "
                          f"of the whole row); use cp=1")

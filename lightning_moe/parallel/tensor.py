@@ -59,10 +59,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
     # torchao's FP8 styles move FP8 tensors in collectives, which gloo lacks: on gloo, torch's styles split the
     # FP8 layers (the same numbers, collectives in high precision)
     fp8_gather = torch.distributed.get_backend(tp_mesh.get_group()) != "gloo"
-    parallelize_module(model, tp_mesh, {
-        "embed": _embedding_parallel()(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(use_local_output=True),
-    })
+    # a pipeline stage (parallel/pipeline.py) holds only some of these: the embedding on the first stage (and,
+    # tied, as the output weight on the last), the final norm and output layer on the last
+    outer = {"embed": _embedding_parallel()(input_layouts=Replicate(), output_layouts=Shard(1)),
+             "norm": SequenceParallel(use_local_output=True)}
+    parallelize_module(model, tp_mesh, {name: style for name, style in outer.items()
+                                        if getattr(model, name, None) is not None})
     if model.lm_head is not None:
         # never called as a module: the output layer reads the weight (see VocabParallelOutput)
         model.lm_head.weight = nn.Parameter(distribute_tensor(model.lm_head.weight, tp_mesh, [Shard(0)]))
@@ -90,7 +92,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
         elif block.symbol == "*" and block.attn.sinks is not None:
             block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks, tp_mesh, [Shard(0)]))
             use_local_parameters(block.attn, names=["sinks"])
-    model.output_layer = VocabParallelOutput(tp_mesh)
+    if model.output_layer is not None:
+        model.output_layer = VocabParallelOutput(tp_mesh, model.output_layer.repeatable_backward)
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
@@ -270,9 +273,10 @@ class VocabParallelOutput(OutputLayer):
     states: they are all-gathered along the sequence (the backward reduce-scatters, summing each rank's
     partial input gradient), multiplied by the local rows, and reduced Megatron-style."""
 
-    def __init__(self, tp_mesh) -> None:
+    def __init__(self, tp_mesh, repeatable_backward: bool = False) -> None:
         self.mesh = tp_mesh
         self.group = tp_mesh.get_group()
+        self.repeatable_backward = repeatable_backward
 
     def _full_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
         return all_gather_autograd(hidden, 1, self.group)
@@ -294,7 +298,8 @@ class VocabParallelOutput(OutputLayer):
              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         local_weight, start = self._local_rows(weight)
         return linear_cross_entropy(self._full_sequence(hidden), local_weight, labels, chunk_size,
-                                    vocab_group=self.group, vocab_start=start)
+                                    vocab_group=self.group, vocab_start=start,
+                                    repeatable_backward=self.repeatable_backward)
 
 
 def sum_partial_gradients(model: nn.Module) -> None:
