@@ -44,6 +44,9 @@ LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_softcapping", "logits_
 # layer types whose mixing respects packed-sequence boundaries through the attention mask
 MASKED_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# layers whose output at a token depends on a state carried from earlier tokens (linear attention, Mamba), by class
+SEQUENCE_STATE_CLASSES = re.compile(r"(Mamba\d?Mixer|GatedDeltaNet|DeltaAttention|LightningAttention)$")
+SEQUENCE_STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "lightning_attention")
 
 
 @dataclass
@@ -219,15 +222,26 @@ def _layer_units(hf_model: nn.Module) -> dict[str, nn.Module]:
     return units
 
 
+def sequence_state_layers(hf_model: nn.Module) -> list[str]:
+    """Class names of ``hf_model``'s sequence-state layers, and its config's ``layer_types`` of that kind."""
+    classes = {type(m).__name__ for m in hf_model.modules() if SEQUENCE_STATE_CLASSES.search(type(m).__name__)}
+    types = getattr(hf_model.config.get_text_config(), "layer_types", None) or []
+    return sorted(classes) + sorted({f"layer type {t!r}" for t in types if t in SEQUENCE_STATE_LAYER_TYPES})
+
+
 def packing_limitation(hf_model: nn.Module) -> str | None:
     """Why packed rows would leak across sequences in this model, or None when its mixing respects them.
 
     Attention honours packed rows through the mask transformers builds from restarting position ids;
-    recurrent mixers (linear attention, Mamba, short convolutions) carry state across the boundary."""
+    recurrent mixers (linear attention, Mamba, short convolutions) carry state across the boundary: the
+    sequence boundaries (``cu_seq_lens_q``) reach only transformers' optional hub kernels for them, its torch
+    implementations ignore them."""
     config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
     others = sorted(set(getattr(config, "layer_types", None) or []) - MASKED_ATTENTION_TYPES)
     if others:
-        return f"its {', '.join(others)} layers carry state across sequence boundaries"
+        classes = [name for name in sequence_state_layers(hf_model) if not name.startswith("layer type")]
+        named = f" ({', '.join(classes)})" if classes else ""
+        return f"its {', '.join(others)} layers{named} carry state across sequence boundaries"
     if any(isinstance(m, nn.Conv1d) for m in hf_model.modules()):
         return "its recurrent/convolutional mixers carry state across sequence boundaries"
     return None

@@ -8,20 +8,23 @@ vision-language models): activation checkpointing per block, and FSDP2/HSDP ``fu
 the root, whose group keeps the embeddings, final norm, output layer and whatever is not a block (e.g. a vision
 projector); under tensor parallelism FSDP shards the tensor-parallel DTensors over the data-parallel ranks
 (2-D). Expert parallelism splits transformers' standardized experts modules (``parallel/hf_expert.py``).
-Refused before anything is built: context parallelism (it needs the native modules' sequence split), expert
-parallelism of other experts modules or together with tensor parallelism, and plans with styles whose weights are not plain row or column slices
-(packed or expert layouts).
+Context parallelism switches the model's attention to the package's context-parallel attention
+(``parallel/hf_context.py``); the strategy splits the batch along the sequence as for native decoders.
+Refused before anything is built: context parallelism of models whose layers carry a state along the sequence
+(linear attention, Mamba, short convolutions) or together with tensor parallelism, expert parallelism of other
+experts modules or together with tensor parallelism, and plans with styles whose weights are not plain row or
+column slices (packed or expert layouts).
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
+from lightning_moe.models.hf import sequence_state_layers
 from lightning_moe.parallel.compile import check_compile
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.hf_context import apply_hf_context_parallel, check_hf_context_parallel
 from lightning_moe.parallel.hf_expert import apply_hf_expert_parallel, check_hf_expert_parallel
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
@@ -32,14 +35,17 @@ TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise",
 def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
     """Raise a one-line message for the parallel sizes the generic path does not support."""
     name = type(model.hf).__name__
-    if dims.cp > 1:
-        state = sequence_state_layers(model.hf) if isinstance(model.hf, nn.Module) else []
-        carried = (f" ({', '.join(state)} carry a state along the sequence, which context parallelism would have to "
-                   f"hand from rank to rank)" if state else "")
-        raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism is "
-                         f"not built{carried}; data parallelism (FSDP2/HSDP), its own tensor-parallel plan, expert "
-                         f"parallelism of standardized experts and activation checkpointing apply; use cp=1, or a "
-                         f"natively supported architecture")
+    if dims.cp > 1 and isinstance(model.hf, nn.Module):  # a recipe check names the model only
+        state = sequence_state_layers(model.hf)
+        if state or model.packing_limitation is not None:
+            carried = ", ".join(state) or "its recurrent/convolutional mixers"
+            raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism "
+                             f"splits attention only ({carried} carry a state along the sequence, which it does not "
+                             f"hand from rank to rank); use cp=1, or a natively supported architecture")
+        check_hf_context_parallel(model.hf, dims.cp)
+    if dims.cp > 1 and dims.tp > 1:
+        raise ValueError(f"cp={dims.cp} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
+                         f"tensor-parallel plan is not combined with context parallelism there; use tp=1 or cp=1")
     if dims.ep > 1:
         if dims.tp > 1:
             raise ValueError(f"ep={dims.ep} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
@@ -50,18 +56,6 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
         raise ValueError(f"{name}: no repeated blocks found to shard (no _no_split_modules and no ModuleList)")
-
-
-# layers whose output at a token depends on a state carried from earlier tokens (linear attention, Mamba), by class
-SEQUENCE_STATE_CLASSES = re.compile(r"(Mamba\d?Mixer|GatedDeltaNet|DeltaAttention|LightningAttention)$")
-SEQUENCE_STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "lightning_attention")
-
-
-def sequence_state_layers(hf_model: nn.Module) -> list[str]:
-    """Class names of ``hf_model``'s sequence-state layers, and its config's ``layer_types`` of that kind."""
-    classes = {type(m).__name__ for m in hf_model.modules() if SEQUENCE_STATE_CLASSES.search(type(m).__name__)}
-    types = getattr(hf_model.config.get_text_config(), "layer_types", None) or []
-    return sorted(classes) + sorted({f"layer type {t!r}" for t in types if t in SEQUENCE_STATE_LAYER_TYPES})
 
 
 def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:
@@ -117,6 +111,9 @@ def parallelize_hf(
         if dims.tp > 1:
             raise ValueError(f"compile=True with tp={dims.tp}: {type(model.hf).__name__} runs through transformers, "
                              f"whose tensor-parallel plan is not tested compiled; use compile=False, or tp=1")
+        if dims.cp > 1:
+            raise ValueError(f"compile=True with cp={dims.cp}: {type(model.hf).__name__} runs through transformers, "
+                             f"whose context-parallel attention is not tested compiled; use compile=False, or cp=1")
     if dims.tp > 1:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -125,6 +122,8 @@ def parallelize_hf(
         model.hf.tie_weights(recompute_mapping=False)
     if dims.ep > 1:
         apply_hf_expert_parallel(model.hf, dims.mesh("ep"))
+    if dims.cp > 1:
+        apply_hf_context_parallel(model, dims.mesh("cp"))
     from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
 
     checkpoint_compile_and_shard(
