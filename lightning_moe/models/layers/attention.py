@@ -48,9 +48,17 @@ def attend(
         mask = layout.dense_mask(window)
         if sinks is not None:
             return _eager_with_sinks(q, k, v, layout.dense_mask(window, force=True), scale, sinks)
-        return F.scaled_dot_product_attention(
+        v_dim = v.shape[-1]
+        if q.device.type == "cpu" and v_dim < q.shape[-1] and torch.backends.cuda.flash_sdp_enabled():
+            # MLA: CPU SDPA takes its flash kernel only for equal head dims (else the math path, which
+            # materializes the seq x seq scores); zero value channels leave the first v_dim output channels and
+            # every gradient as they were. (The flag, despite its name, is the global one CPU's choice reads:
+            # with flash disabled, e.g. sdpa_kernel(MATH), padding would only add work.)
+            v = F.pad(v, (0, q.shape[-1] - v_dim))
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
+        return out[..., :v_dim]
     if backend == "te":
         if sinks is not None:
             raise ValueError("attention backend 'te' with attention sinks (GPT-OSS) is not supported; use flex or sdpa")
