@@ -26,7 +26,7 @@ from lightning_moe.checkpoint.files import HF_CONFIG, read_json
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
-from lightning_moe.models.hf_experts import force_balanced_routing
+from lightning_moe.models.hf_experts import force_balanced_routing, track_expert_load
 from lightning_moe.models.hf_weights import load_hf_weights
 from lightning_moe.models.layers.loss import (
     IGNORE_INDEX,
@@ -68,6 +68,10 @@ class HFModelConfig:
         force_balanced: benchmarks: token copies go round-robin to the experts of transformers' standardized
             experts modules, whatever the router chose (the native ``moe.force_balanced``); with a native family
             set it in the native recipe's ``moe`` instead.
+        bias_update_rate: aux-loss-free balancing for routers with an ``e_score_correction_bias`` (DeepSeek-V3
+            style: GLM-5, MiMo-V2, Laguna, Kimi-Linear, DeepSeek-V4): after each optimizer step the bias moves by
+            ``rate * sign(mean load - load)`` from the expert load counted on all ranks (the native
+            ``moe.bias_update_rate``); 0 leaves the bias as loaded.
     """
 
     hf: str
@@ -78,12 +82,15 @@ class HFModelConfig:
     native: Literal["auto", "always", "never"] = "auto"
     loss_chunk_size: int = 1024
     force_balanced: bool = False
+    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.native not in ("auto", "always", "never"):
             raise ValueError(f"model.native={self.native!r} must be auto, always or never")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.dtype!r} must be one of {sorted(DTYPES)} (or null for float32)")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"model.bias_update_rate={self.bias_update_rate} must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -149,6 +156,10 @@ def native_checkpoint_dir(cfg: HFModelConfig) -> Path | None:
         if cfg.force_balanced:
             raise ValueError(f"model.force_balanced=true on {config_json['architectures'][0]}, which trains through "
                              f"its native family: set moe.force_balanced in a native model config, or native: never")
+        if cfg.bias_update_rate:
+            raise ValueError(f"model.bias_update_rate={cfg.bias_update_rate} on {config_json['architectures'][0]}, "
+                             f"which trains through its native family: set moe.bias_update_rate in a native model "
+                             f"config, or native: never")
         return directory
     if cfg.native == "always":
         raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
@@ -402,6 +413,8 @@ def build_hf_model(
     model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
     if cfg.force_balanced:
         force_balanced_routing(model.hf)
+    if cfg.bias_update_rate:  # counts the routing that runs, so after the balanced-routing hook
+        track_expert_load(model.hf, cfg.bias_update_rate)
     if convert is not None:
         convert(model)
     if parallelize is not None:

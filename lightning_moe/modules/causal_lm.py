@@ -37,6 +37,7 @@ from lightning_moe.models.hf import (
     hf_converters,
     native_checkpoint_dir,
 )
+from lightning_moe.models.hf_experts import update_correction_biases
 from lightning_moe.models.layers.moe import MoE, update_expert_bias
 from lightning_moe.modules.optim import (
     OptimizerConfig,
@@ -331,11 +332,13 @@ class CausalLM(L.LightningModule):
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
         if self._pipeline is not None:
+            update_correction_biases(self.model, apply=False)
             for name, value in pipelined_eval_step(self, batch).items():
                 self._accumulate(self._eval_sums, name, value)
             return
         out, _ = self._loss_output(batch)
         self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
+        update_correction_biases(self.model, getattr(self.trainer.strategy, "stage_group", None))  # model.hf routers
         self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)
 
     def _log_eval(self, prefix: str) -> None:

@@ -49,8 +49,10 @@ def expert_parallel_gradients(model_dir: str, out: str, sizes: dict, skewed: boo
     loss = model(data["input_ids"], labels=data["labels"]).loss_sum
     loss.backward()
     local = {n: float(p.grad.to_local().norm()) for n, p in model.hf.named_parameters() if "experts" in n}
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) * dims.dp_size
-             for n, p in model.hf.named_parameters()}
+    # every trained parameter (frozen ones, e.g. Laguna's correction bias, have no gradient; nor have those the
+    # loss does not reach, e.g. sparse-attention indexers that only select keys)
+    grads = {n: None if p.grad is None else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+             * dims.dp_size for n, p in model.hf.named_parameters() if p.requires_grad}
     total = loss.detach().clone()
     dist.all_reduce(total, group=dims.mesh("dp").get_group())
     norms = [None] * dist.get_world_size()
@@ -63,3 +65,27 @@ def gradients_at_layouts(model_dir: str, root: str, layouts: list[dict]) -> None
     """:func:`expert_parallel_gradients` at each layout in turn, in one launch (``root/grads_{i}.pt``)."""
     for i, sizes in enumerate(layouts):
         expert_parallel_gradients(model_dir, str(Path(root) / f"grads_{i}.pt"), sizes, skewed=False)
+
+
+# ---------------------------------------------------------------------------------------------- test side
+def one_process_gradients(model_dir: str, skewed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
+    if skewed:
+        skew(model.hf)
+    data = batch(rows=4)
+    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.hf.named_parameters() if p.requires_grad}
+
+
+def assert_same_gradients(path, model_dir: str, skewed: bool) -> dict:
+    split = torch.load(path, weights_only=True)
+    loss, grads = one_process_gradients(model_dir, skewed)
+    torch.testing.assert_close(split["loss"], loss, rtol=1e-6, atol=1e-5)
+    assert split["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        if grad is None:
+            assert split["grads"][name] is None, name
+            continue
+        torch.testing.assert_close(split["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    return split

@@ -10,7 +10,12 @@ import json
 import pytest
 import torch
 from distributed_harness import run_distributed_test
-from expert_parallel_cases import expert_parallel_gradients, fit_expert_parallel, gradients_at_layouts, skew
+from expert_parallel_cases import (
+    assert_same_gradients,
+    expert_parallel_gradients,
+    fit_expert_parallel,
+    gradients_at_layouts,
+)
 from tiny_hf_models import batch, qwen3_moe_config, save_tiny
 from torch import nn
 from trainer_cases import fit
@@ -18,26 +23,6 @@ from trainer_cases import fit
 from lightning_moe.models.hf import HFModelConfig, build_hf_model, native_checkpoint_dir
 from lightning_moe.models.hf_experts import standardized_experts
 from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
-
-
-def one_process_gradients(model_dir: str, skewed: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"))
-    if skewed:
-        skew(model.hf)
-    data = batch(rows=4)
-    loss = model(data["input_ids"], labels=data["labels"]).loss_sum
-    loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.hf.named_parameters()}
-
-
-def assert_same_gradients(path, model_dir: str, skewed: bool) -> dict:
-    split = torch.load(path, weights_only=True)
-    loss, grads = one_process_gradients(model_dir, skewed)
-    torch.testing.assert_close(split["loss"], loss, rtol=1e-6, atol=1e-5)
-    assert split["grads"].keys() == grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(split["grads"][name], grad, rtol=1e-5, atol=1e-5, msg=name)
-    return split
 
 
 @pytest.mark.distributed

@@ -38,11 +38,12 @@ class StepLosses(Callback):
 
 
 def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, micro_batch_size: int = 2,
-        checkpoint: bool = False, native: str = "auto", **module_options) -> tuple[list, CausalLM]:
+        checkpoint: bool = False, native: str = "auto", hf_options: dict | None = None,
+        **module_options) -> tuple[list, CausalLM]:
     """``sizes``: ParallelStrategy sizes on the launched ranks; None: one process, Lightning's default strategy.
     Micro-batches of 2 rows: one per rank under 2-way FSDP, two accumulated ones on one process, so the
     router load-balancing loss (a mean over each micro-batch's tokens) is computed on the same rows.
-    ``checkpoint``: save the last step under ``root/ckpt``."""
+    ``checkpoint``: save the last step under ``root/ckpt``; ``hf_options``: further HFModelConfig fields."""
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     losses = StepLosses()
     callbacks = [losses]
@@ -53,7 +54,7 @@ def fit(model_dir: str, root: str, sizes: dict | None = None, steps: int = 2, mi
         logger=False, enable_checkpointing=checkpoint, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, limit_val_batches=0, gradient_clip_val=1.0, callbacks=callbacks,
     )
-    module = CausalLM(model=HFModelConfig(hf=model_dir, native=native), optimizer=OptimizerConfig(lr=1e-2),
+    module = CausalLM(model=HFModelConfig(hf=model_dir, native=native, **(hf_options or {})), optimizer=OptimizerConfig(lr=1e-2),
                       scheduler=SchedulerConfig(warmup_iters=0, decay_style="constant"), **module_options)
     data = MockDataModule(seq_length=SEQ, micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_ROWS,
                           vocab_size=VOCAB, num_val_samples=0)

@@ -1,0 +1,55 @@
+"""Worker side of the expert-parallel tests over transformers MoE architectures (``test_hf_ep_architectures.py``):
+one launch runs every architecture at every layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from expert_parallel_cases import expert_parallel_gradients
+from trainer_cases import fit
+
+from lightning_moe.models.hf_experts import CORRECTION_BIAS, correction_bias_routers
+
+BIAS_UPDATE_RATE = 1e-2
+
+
+def correction_biases(hf_model) -> dict[str, torch.Tensor]:
+    """Every router's correction bias, full (an FSDP-sharded parameter gathered)."""
+    out = {}
+    for name, router, _ in correction_bias_routers(hf_model):
+        bias = getattr(router, CORRECTION_BIAS).detach()
+        out[name] = (bias.full_tensor() if hasattr(bias, "full_tensor") else bias).clone()
+    return out
+
+
+def fit_with_bias_updates(model_dir: str, root: str, sizes: dict | None, bias: bool) -> dict:
+    """Five Trainer steps (aux-loss-free bias updates where the router has a correction bias): the losses,
+    the final biases, and on the launched ranks whether every rank holds the same biases."""
+    options = {"bias_update_rate": BIAS_UPDATE_RATE} if bias else {}
+    # one row per micro-batch: 4 ranks hold one each, and a one-process run averages the router load-balancing
+    # loss (Qwen3-MoE, Qwen3-Next) over the same rows
+    losses, module = fit(model_dir, root, sizes, steps=5, micro_batch_size=1, native="never", hf_options=options)
+    biases = correction_biases(module.model.hf)
+    record = {"losses": losses, "biases": {k: v.tolist() for k, v in biases.items()}}
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, record["biases"])
+        record["same_on_every_rank"] = all(b == every[0] for b in every)
+        record["split"] = sorted(n for n, p in module.model.hf.named_parameters()
+                                 if type(p).__name__ == "DTensor" and "ep" in (p.device_mesh.mesh_dim_names or ()))
+    return record
+
+
+def every_architecture(root: str, architectures: dict[str, bool], layout: dict) -> None:
+    """For each architecture (``root/<name>``; value: whether its router has a correction bias), at ``layout``:
+    the first backward's loss and full gradients (``root/<name>_grads.pt``) and five Trainer steps
+    (``root/<name>_fit.json``)."""
+    for name, bias in architectures.items():
+        model_dir = str(Path(root) / name)
+        expert_parallel_gradients(model_dir, str(Path(root) / f"{name}_grads.pt"), layout, skewed=False)
+        record = fit_with_bias_updates(model_dir, str(Path(root) / f"{name}_run"), layout, bias)
+        if dist.get_rank() == 0:
+            (Path(root) / f"{name}_fit.json").write_text(json.dumps(record))
