@@ -36,13 +36,15 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
     """Raise a one-line message for the parallel sizes the generic path does not support."""
     name = type(model.hf).__name__
     if dims.cp > 1 and isinstance(model.hf, nn.Module):  # a recipe check names the model only
-        state = sequence_state_layers(model.hf)
-        if state or model.packing_limitation is not None:
-            carried = ", ".join(state) or "its recurrent/convolutional mixers"
-            raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism "
-                             f"splits attention only ({carried} carry a state along the sequence, which it does not "
-                             f"hand from rank to rank); use cp=1, or a natively supported architecture")
         check_hf_context_parallel(model.hf, dims.cp)
+        state = sequence_state_layers(model.hf)
+        if state:
+            raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism "
+                             f"splits attention only ({', '.join(state)} carry a state along the sequence, which it "
+                             f"does not hand from rank to rank); use cp=1, or a natively supported architecture")
+        if model.packing_limitation is not None:  # the same mixing along the sequence that packing cannot restart
+            raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism "
+                             f"splits attention only, and {model.packing_limitation}; use cp=1")
     if dims.cp > 1 and dims.tp > 1:
         raise ValueError(f"cp={dims.cp} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
                          f"tensor-parallel plan is not combined with context parallelism there; use tp=1 or cp=1")

@@ -12,13 +12,15 @@ positions, the layer's ``sliding_window``, its attention sinks ``s_aux``), as in
 
 transformers' own mask is not built (the name is not a mask implementation, so ``masking_utils`` skips it):
 it would describe the local tokens only. Mask rules that reach the attention function only through that mask
-(chunked attention, bidirectional image tokens) are refused by :func:`check_hf_context_parallel`, as are layers
-that carry a state along the sequence; a forward in which no attention call arrived is an error, never a
-silent single-rank attention.
+(chunked attention, bidirectional image tokens, sparse-attention indexers, KV compressors) are refused by
+:func:`check_hf_context_parallel`, as are layers that carry a state along the sequence (``parallel/hf.py``); an
+attention call with a mask of the model's own making, or a forward in which no attention call arrived, is an
+error, never a silent single-rank attention.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -31,6 +33,9 @@ ATTENTION_NAME = "lightning_moe_context_parallel"
 ROW_KEY = "lightning_moe_context_parallel_row"  # the keyword argument the attention calls receive
 # layer types whose masks carry rules beyond causal + sliding window + document boundaries
 UNSUPPORTED_LAYER_TYPES = ("chunked_attention",)
+# modules that select or pool keys along the sequence outside the attention function (DeepSeek sparse-attention
+# indexers, DeepSeek-V4's KV compressors)
+SEQUENCE_SELECTING_CLASSES = re.compile(r"(Indexer|Compressor)$")
 
 
 class HFContextParallelRow:
@@ -62,6 +67,9 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
             raise ValueError(f"{name}: attention with {unsupported} under context parallelism is not supported")
     if not getattr(module, "is_causal", True):
         raise ValueError(f"{name}: non-causal attention under context parallelism is not supported")
+    if attention_mask is not None:  # transformers builds none for this name: the model made its own
+        raise ValueError(f"{name}: the model passes its own attention mask (e.g. a sparse-attention index mask), "
+                         f"which context parallelism does not split; use cp=1")
     row.attention_calls += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, row, backend=row.backend, scale=scale, window=sliding_window, sinks=s_aux)
@@ -78,6 +86,10 @@ def check_hf_context_parallel(hf_model: nn.Module, cp: int) -> None:
     if vision:
         raise ValueError(f"cp={cp}: {name} has sub-models ({', '.join(vision)}) whose tokens are not split along the "
                          f"text sequence; context parallelism on the generic path covers causal LMs; use cp=1")
+    selecting = sorted({type(m).__name__ for m in hf_model.modules() if SEQUENCE_SELECTING_CLASSES.search(type(m).__name__)})
+    if selecting:
+        raise ValueError(f"cp={cp}: {name}'s {', '.join(selecting)} select or pool keys along the sequence outside the "
+                         f"attention function, which context parallelism does not split; use cp=1")
     types = getattr(hf_model.config.get_text_config(), "layer_types", None) or []
     masked = sorted({t for t in types if t in UNSUPPORTED_LAYER_TYPES})
     if masked:

@@ -1,0 +1,106 @@
+"""Context parallelism and packed rows on the generic transformers path (``model: {hf: ...}``).
+
+Tiny random MiMo-V2-Flash (sliding-window layers with attention sinks, unequal q/k and v head widths, MoE) and
+Laguna (sliding-window layers, gated heads, MoE) checkpoints built from their config classes train on packed
+rows (documents of 3-8 tokens, positions restarting, a sliding window of 4) with their attention switched to the
+package's context-parallel attention: five AdamW steps' losses within 1e-5 and the first step's gradients within
+1e-5 of the same model on one process with transformers' own attention and masks; cp composes with FSDP, expert
+parallelism (ep=2 x cp=2) and activation checkpointing. Models whose layers carry a state along the sequence are
+refused by name; on one process packed rows give each sample's logits alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import parallel_cases
+import pytest
+import torch
+from distributed_harness import run_distributed_test
+from hf_cp_cases import VOCAB, fit_context_parallel
+
+from lightning_moe.models.hf import HFModelConfig, build_hf_model
+from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.hf import parallelize_hf
+
+WINDOW = 4  # shorter than the longest packed documents, so the window masks something
+
+
+def tiny(tmp_path, architecture: str, **overrides) -> str:
+    from tiny_hf_models import save_tiny
+    from tiny_hf_moes import ARCHITECTURES
+
+    return str(save_tiny(ARCHITECTURES[architecture](**overrides), tmp_path / architecture))
+
+
+@pytest.mark.distributed
+def test_cp_with_packed_rows_matches_one_process_with_fsdp_ep_and_checkpointing(tmp_path):
+    mimo = tiny(tmp_path, "mimo_v2_flash", sliding_window=WINDOW)
+    laguna = tiny(tmp_path, "laguna", sliding_window=WINDOW)
+    cases = [
+        ("hf_cp_cases.run_hf_layout", ("mimo_v2_flash ep=2 x cp=2 x fsdp", mimo, {"dp_shard": 2, "cp": 2, "ep": 2}), {}),
+        ("hf_cp_cases.run_hf_layout", ("laguna cp=2 x fsdp, full activation checkpointing", laguna,
+                                       {"dp_shard": 2, "cp": 2}), {"activation_checkpointing": "full"}),
+        ("hf_cp_cases.run_hf_layout", ("mimo_v2_flash cp=4", mimo, {"dp_shard": 1, "cp": 4}), {}),
+    ]
+    run_distributed_test(parallel_cases.check_cases, 4, cases)
+
+
+@pytest.mark.distributed
+def test_trainer_with_cp2_trains_like_one_process(tmp_path):
+    """The training module under ParallelStrategy(cp=2): the strategy splits each micro-batch along the sequence
+    and the loss is normalized over the cp ranks; five steps' losses equal one process's."""
+    from trainer_cases import SEQ, fit
+
+    laguna = tiny(tmp_path, "laguna", sliding_window=WINDOW)
+    single, _ = fit(laguna, str(tmp_path / "single"), steps=5, native="never")
+    root = tmp_path / "cp"
+    root.mkdir()
+    run_distributed_test(fit_context_parallel, 2, laguna, str(root), {"cp": 2}, init_process_group=False)
+    record = json.loads((root / "losses.json").read_text())
+    assert record["query_lengths"] == [SEQ // 2] and record["calls"] >= 5 * 2 * 3  # steps x micro-batches x layers
+    assert len(record["losses"]) == 5 and record["losses"] == pytest.approx(single, abs=1e-5)
+
+
+@pytest.mark.parametrize("architecture, message", [
+    ("qwen3_next", r"cp=2: Qwen3NextForCausalLM runs through transformers .*context parallelism splits attention only "
+                   r"\(Qwen3NextGatedDeltaNet, layer type 'linear_attention' carry a state along the sequence"),
+    ("kimi_linear", r"cp=2: KimiLinearForCausalLM runs through transformers .*\(KimiLinearDeltaAttention, layer type "
+                    r"'linear_attention' carry a state along the sequence"),
+])
+def test_cp_of_layers_that_carry_a_state_along_the_sequence_is_refused_by_name(tmp_path, architecture, message):
+    model_dir = tiny(tmp_path, architecture)
+    dims = ParallelDims(cp=2, world_size=2)  # refused before any mesh is used
+    with pytest.raises(ValueError, match=message):
+        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+
+
+@pytest.mark.parametrize("architecture, message", [
+    ("glm_moe_dsa", r"cp=2: GlmMoeDsaForCausalLM's GlmMoeDsaIndexer select or pool keys along the sequence"),
+    ("deepseek_v4", r"cp=2: DeepseekV4ForCausalLM's DeepseekV4CSACompressor, DeepseekV4Indexer select or pool keys "
+                    r"along the sequence"),
+])
+def test_cp_of_sparse_attention_indexers_and_kv_compressors_is_refused_by_name(tmp_path, architecture, message):
+    """Their key selection reaches attention only as a mask of the model's own making, over local keys."""
+    model_dir = tiny(tmp_path, architecture)
+    dims = ParallelDims(cp=2, world_size=2)
+    with pytest.raises(ValueError, match=message):
+        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+
+
+@pytest.mark.parametrize("architecture", ["mimo_v2_flash", "laguna"])
+def test_packed_rows_give_each_sample_its_own_logits(tmp_path, architecture):
+    """transformers masks packed rows by their restarting position ids (sliding windows and sinks included)."""
+    model = build_hf_model(HFModelConfig(hf=tiny(tmp_path, architecture, sliding_window=WINDOW), native="never"))
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, VOCAB, (length,), generator=gen) for length in (7, 5, 9)]
+    packed = torch.cat(samples)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in samples])[None]
+    with torch.no_grad():
+        logits = model(packed, positions)[0].split([len(s) for s in samples])
+        for sample, got in zip(samples, logits):
+            torch.testing.assert_close(got, model(sample[None], torch.arange(len(sample))[None])[0],
+                                       rtol=1e-5, atol=1e-5)
+        # the same row read as one sequence differs: the boundaries were honoured, not ignored
+        whole = model(packed, torch.arange(packed.shape[1])[None])[0].split([len(s) for s in samples])
+        assert not torch.allclose(whole[1], logits[1], atol=1e-3)
