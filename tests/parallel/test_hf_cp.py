@@ -1,7 +1,8 @@
 """Context parallelism and packed rows on the generic transformers path (``model: {hf: ...}``).
 
 Tiny random MiMo-V2-Flash (sliding-window layers with attention sinks, unequal q/k and v head widths, MoE) and
-Laguna (sliding-window layers, gated heads, MoE) checkpoints built from their config classes train on packed
+Laguna (sliding-window layers, gated heads, MoE) checkpoints built from their config classes (and Qwen3-MoE forced
+through transformers) train on packed
 rows (documents of 3-8 tokens, positions restarting, a sliding window of 4) with their attention switched to the
 package's context-parallel attention: five AdamW steps' losses within 1e-5 and the first step's gradients within
 1e-5 of the same model on one process with transformers' own attention and masks; cp composes with FSDP, expert
@@ -37,8 +38,11 @@ def tiny(tmp_path, architecture: str, **overrides) -> str:
 def test_cp_with_packed_rows_matches_one_process_with_fsdp_ep_and_checkpointing(tmp_path):
     mimo = tiny(tmp_path, "mimo_v2_flash", sliding_window=WINDOW)
     laguna = tiny(tmp_path, "laguna", sliding_window=WINDOW)
+    qwen3_moe = tiny(tmp_path, "qwen3_moe")
     cases = [
         ("hf_cp_cases.run_hf_layout", ("mimo_v2_flash ep=2 x cp=2 x fsdp", mimo, {"dp_shard": 2, "cp": 2, "ep": 2}), {}),
+        ("hf_cp_cases.run_hf_layout", ("qwen3_moe (native: never) ep=2 x cp=2 x fsdp", qwen3_moe,
+                                       {"dp_shard": 2, "cp": 2, "ep": 2}), {}),
         ("hf_cp_cases.run_hf_layout", ("laguna cp=2 x fsdp, full activation checkpointing", laguna,
                                        {"dp_shard": 2, "cp": 2}), {"activation_checkpointing": "full"}),
         ("hf_cp_cases.run_hf_layout", ("mimo_v2_flash cp=4", mimo, {"dp_shard": 1, "cp": 4}), {}),
