@@ -108,6 +108,6 @@ def hub_model_config(hub_id: str):
     from lightning_moe.models.families import family_for_hf_config
 
     entry = load_yaml(HUB_CONFIGS).get(hub_id)
-    if entry is None:
+    if entry is None or "model_type" in entry["config"]:  # model_type: a transformers-only architecture
         return None
     return family_for_hf_config(entry["config"]).from_hf_config(entry["config"])

@@ -73,10 +73,39 @@ def qwen3_5_vlm_checkpoint(path: Path) -> Path:
     return save_tiny_vlm(path, family="qwen3_5")
 
 
+def generic_moe_checkpoint(model_type: str, **settings):
+    """A checkpoint writer for a small random transformers MoE without a native family (trained through
+    transformers), ``settings`` on top of the shared small sizes."""
+
+    def write(path: Path) -> Path:
+        import transformers
+
+        config = transformers.AutoConfig.for_model(
+            model_type, vocab_size=4160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, **settings)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        return path
+
+    return write
+
+
+laguna_checkpoint = generic_moe_checkpoint(
+    "laguna", num_key_value_heads=2, head_dim=16, num_experts=4, shared_expert_intermediate_size=32, sliding_window=64,
+    layer_types=["sliding_attention", "full_attention"])
+glm_moe_dsa_checkpoint = generic_moe_checkpoint(
+    "glm_moe_dsa", num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=16,
+    index_head_dim=16, index_n_heads=2, first_k_dense_replace=1)
+
+
 CHECKPOINTS = {"tiny/nemotron_h_sft.yaml": nemotron_h_checkpoint, "tiny/nemotron_h_sft_tulu3.yaml": nemotron_h_checkpoint,
                "tiny/nemotron_h_lora.yaml": nemotron_h_checkpoint, "tiny/dense_lora_benchmark.yaml": llama_checkpoint,
                "tiny/kimi_linear_hellaswag_sft.yaml": kimi_linear_checkpoint,
-               "tiny/qwen3_5_medpix_vlm.yaml": qwen3_5_vlm_checkpoint}
+               "tiny/qwen3_5_medpix_vlm.yaml": qwen3_5_vlm_checkpoint,
+               "tiny/laguna_hellaswag_sft.yaml": laguna_checkpoint,
+               "tiny/glm_moe_dsa_tulu3_sft.yaml": glm_moe_dsa_checkpoint}
 
 
 def cli(*args: str):
