@@ -418,11 +418,13 @@ def build_hf_model(
     if convert is not None:
         convert(model)
     if parallelize is not None:
-        parallelize(model)
+        # a pipeline's split returns the parts of the model this rank's stages hold (parallel/pipeline_hf.py)
+        split = parallelize(model)
+        model = split if isinstance(split, HFModel) else model
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
     materialize(model, device)
     _restore_buffers(model, buffers, device)
-    load_hf_weights(model.hf, directory)
+    load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
     if any(".lora_" in name for name, _ in model.named_parameters()):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

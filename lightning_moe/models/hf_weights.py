@@ -58,11 +58,12 @@ def _ignored(patterns) -> re.Pattern | None:
     return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
 
 
-def iter_model_tensors(hf_model: nn.Module, reader: SafetensorsDir) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_model_tensors(hf_model: nn.Module, reader: SafetensorsDir,
+                       elsewhere: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under the model's in-memory names, one conversion group at a time.
 
     Raises on a checkpoint tensor the model has no place for (unless the model declares it ignorable, e.g.
-    Qwen3-Next's ``mtp.*``)."""
+    Qwen3-Next's ``mtp.*``, or ``elsewhere`` names it: held by another pipeline stage's rank)."""
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key
 
     names = HubNames.of(hf_model)
@@ -72,7 +73,7 @@ def iter_model_tensors(hf_model: nn.Module, reader: SafetensorsDir) -> Iterator[
     for key in sorted(reader.keys(), key=dot_natural_key):
         name, pattern = names.rename(key)
         if name not in names.expected:
-            if ignored is not None and ignored.search(key):
+            if name in elsewhere or (ignored is not None and ignored.search(key)):
                 continue
             raise ValueError(f"{reader.directory}: checkpoint tensor {key!r} has no counterpart in "
                              f"{type(hf_model).__name__} (is this the right checkpoint for the model?)")
@@ -87,14 +88,15 @@ def iter_model_tensors(hf_model: nn.Module, reader: SafetensorsDir) -> Iterator[
             yield name, tensor[0] if isinstance(tensor, list) else tensor
 
 
-def load_hf_weights(hf_model: nn.Module, directory: str | Path) -> int:
+def load_hf_weights(hf_model: nn.Module, directory: str | Path, elsewhere: frozenset[str] = frozenset()) -> int:
     """Copy a Hugging Face checkpoint into ``hf_model`` (materialized, possibly sharded); returns the tensor count.
-    Every persistent tensor of the model must come from the checkpoint (tied ones excepted)."""
+    Every persistent tensor of the model must come from the checkpoint (tied ones excepted); tensors named in
+    ``elsewhere`` (other pipeline stages') are skipped."""
     reader = SafetensorsDir(directory)
     loaded: set[str] = set()
 
     def tensors():
-        for name, tensor in iter_model_tensors(hf_model, reader):
+        for name, tensor in iter_model_tensors(hf_model, reader, elsewhere):
             loaded.add(name)
             yield name, tensor
 

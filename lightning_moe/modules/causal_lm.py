@@ -48,6 +48,7 @@ from lightning_moe.modules.optim import (
 )
 from lightning_moe.modules.pipeline_step import (
     build_pipelined_decoder,
+    build_pipelined_hf_model,
     pipelined_eval_step,
     pipelined_training_step,
 )
@@ -174,6 +175,13 @@ class CausalLM(L.LightningModule):
         strategy = self.trainer.strategy
         self._route_hf()
         if isinstance(self.model_config, HFModelConfig):
+            if getattr(strategy, "pipeline_parallel", False):
+                self._check_hf_adapters()
+                self.model, self._pipeline = build_pipelined_hf_model(
+                    self.model_config, strategy=strategy, seed=self.seed, task=self.hf_task,
+                    convert=hf_converters(self.fp8, self.peft, self.freeze),
+                )
+                return
             self.model = self._build_hf(strategy)
             return
         if getattr(strategy, "pipeline_parallel", False):
@@ -196,10 +204,13 @@ class CausalLM(L.LightningModule):
         if vocab_size is not None and hasattr(data, "check_vocabulary"):
             data.check_vocabulary(int(vocab_size))
 
-    def _build_hf(self, strategy) -> HFModel:
+    def _check_hf_adapters(self) -> None:
         if self.peft is not None and self.peft.adapter_path is not None:
             raise ValueError("peft.adapter_path: starting adapters are read into native models only; "
                              "drop it for a model trained through transformers (model.hf)")
+
+    def _build_hf(self, strategy) -> HFModel:
+        self._check_hf_adapters()
         return build_hf_model(
             self.model_config, task=self.hf_task, convert=hf_converters(self.fp8, self.peft, self.freeze),
             parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device, seed=self.seed,

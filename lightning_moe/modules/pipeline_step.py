@@ -20,6 +20,8 @@ import torch.distributed as dist
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.hf import HFModel, build_hf_model
+from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -31,6 +33,7 @@ from lightning_moe.parallel.pipeline import (
     stage_indices,
     tied_embedding_group,
 )
+from lightning_moe.parallel.pipeline_hf import PipelinedHFModel, check_hf_pipeline, split_hf
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.peft import reset_lora_parameters
 
@@ -61,17 +64,7 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ keys every rank reduces
     def sum_names(self, training: bool = True) -> list[str]:
-        cfg = self.model.config
-        names = ["loss_sum", "label_tokens"]
-        if not training:
-            return names
-        pattern = cfg.pattern + (cfg.mtp.pattern if cfg.mtp is not None and cfg.mtp.num_layers else "")
-        if cfg.moe is not None and "E" in pattern and cfg.moe.aux_loss_coeff > 0:
-            names.append("aux_loss")
-        depths = cfg.mtp.num_layers if cfg.mtp is not None and cfg.mtp.enabled else 0
-        for depth in range(1, depths + 1):
-            names += [f"mtp_{depth}_loss_sum", f"mtp_{depth}_tokens"]
-        return names
+        return self.model.sum_names(training)
 
     def _reduce_sums(self, names: list[str]) -> dict[str, torch.Tensor]:
         """This rank's stages' sums of the step, summed over the pipeline ranks (float64)."""
@@ -294,6 +287,47 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     runner = PipelineRunner(model, dims, schedule, vp, specs, device)
     if config.tie_embeddings:
         runner.tied_group = tied_embedding_group(dims, specs, schedule, vp)
+    if dist.get_rank() == 0:
+        print("pipeline split:\n  " + "\n  ".join(runner.split), flush=True)
+    return model, runner
+
+
+def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=None
+                             ) -> tuple[PipelinedHFModel, PipelineRunner]:
+    """The generic path under a pipeline: ``build_hf_model`` whose parallelization step splits the meta-device
+    transformers model into stages (``parallel/pipeline_hf.py``), each parallelized like a model, and loads only
+    this rank's stages' tensors."""
+    dims, options = strategy.parallel_dims, strategy.pipeline_options
+    schedule, vp = options["pp_schedule"], options["vp"]
+    if schedule in SPLIT_BACKWARD:
+        raise ValueError(f"pp_schedule={schedule!r} on the generic transformers path (model.hf): zero-bubble "
+                         f"schedules are built for native decoders only; use 1f1b or interleaved_1f1b")
+    if getattr(cfg, "bias_update_rate", 0):
+        raise ValueError(f"model.bias_update_rate={cfg.bias_update_rate} with pp={dims.pp}: the generic path's "
+                         f"expert-bias updates count loads over all ranks, not per pipeline stage; use pp=1")
+    if dims.cp > 1:
+        raise ValueError(f"pp={dims.pp} with cp={dims.cp} on the generic transformers path (model.hf) is not "
+                         f"supported; use cp=1")
+    if dims.tp > 1:
+        raise ValueError(f"pp={dims.pp} with tp={dims.tp} on the generic transformers path (model.hf) is not "
+                         f"supported (its tensor-parallel plan names the whole model); use tp=1")
+    local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
+    found = {}
+
+    def split(whole: HFModel) -> PipelinedHFModel:
+        check_hf_pipeline(whole)
+        if dims.ep > 1:  # on the whole model: a stage may hold no experts
+            check_hf_expert_parallel(whole.hf, dims.ep)
+        found["specs"] = specs = split_hf(whole, dims.pp * vp, options["pp_layout"])
+        model = PipelinedHFModel(whole, specs, local)
+        for stage in model.stages:
+            strategy.parallelize(stage)
+        held = {name.replace(".base_layer.", ".") for name in model.hf.state_dict()}
+        model.held_elsewhere = frozenset(name.replace(".base_layer.", ".") for name in whole.hf.state_dict()) - held
+        return model
+
+    model = build_hf_model(cfg, task=task, convert=convert, parallelize=split, device=strategy.root_device, seed=seed)
+    runner = PipelineRunner(model, dims, schedule, vp, found["specs"], strategy.root_device)
     if dist.get_rank() == 0:
         print("pipeline split:\n  " + "\n  ".join(runner.split), flush=True)
     return model, runner

@@ -51,7 +51,8 @@ def check_hf_expert_parallel(hf_model: nn.Module, ep: int) -> None:
                          f"experts module (use_experts_implementation: stacked gate_up_proj/down_proj), which the "
                          f"generic path splits over ep; use ep=1, or a natively supported architecture")
     found = standardized_experts(hf_model)
-    if not found:
+    # a pipeline stage's view of the model (parallel/pipeline_hf.py) may hold dense layers only
+    if not found and not getattr(hf_model, "is_pipeline_stage", False):
         raise ValueError(f"ep={ep}: {model} has no experts module to split; use ep=1")
     for name, experts in found:
         if experts.num_experts % ep:

@@ -377,5 +377,19 @@ class PipelinedDecoder(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    def sum_names(self, training: bool = True) -> list[str]:
+        """The keys of the sums every pipeline rank reduces (the same list on every rank)."""
+        cfg = self.config
+        names = ["loss_sum", "label_tokens"]
+        if not training:
+            return names
+        pattern = cfg.pattern + (cfg.mtp.pattern if cfg.mtp is not None and cfg.mtp.num_layers else "")
+        if cfg.moe is not None and "E" in pattern and cfg.moe.aux_loss_coeff > 0:
+            names.append("aux_loss")
+        depths = cfg.mtp.num_layers if cfg.mtp is not None and cfg.mtp.enabled else 0
+        for depth in range(1, depths + 1):
+            names += [f"mtp_{depth}_loss_sum", f"mtp_{depth}_tokens"]
+        return names
+
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined decoder runs through its pipeline schedule (lightning_moe.parallel.pipeline)")

@@ -55,6 +55,7 @@ from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.pipeline import StageModule, check_schedule, default_schedule
+from lightning_moe.parallel.pipeline_hf import HFStage
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
 
@@ -200,11 +201,11 @@ class ParallelStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ model and batches
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.pipeline_parallel:
-            if not isinstance(model, StageModule):
+            if not isinstance(model, (StageModule, HFStage)):
                 raise ValueError(
-                    f"pp={self._sizes['pp']}: pipeline parallelism splits native decoders trained by CausalLM; "
-                    f"{type(model).__name__} (the transformers path, or a vision model) is not split into stages "
-                    f"yet: use pp=1"
+                    f"pp={self._sizes['pp']}: pipeline parallelism splits the decoders trained by CausalLM (native, "
+                    f"or transformers' on the generic path); {type(model).__name__} (e.g. a vision model) is not "
+                    f"split into stages yet: use pp=1"
                 )
         return parallelize(model, self.parallel_dims, **self._parallelize_options)
 

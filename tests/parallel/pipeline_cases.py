@@ -14,6 +14,7 @@ from parallel_cases import full, tiny_config
 
 from lightning_moe import ParallelStrategy
 from lightning_moe.data import MockDataModule
+from lightning_moe.models.hf import HFModelConfig
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig
 from lightning_moe.parallel import ParallelDims
@@ -76,7 +77,7 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
         gradient_clip_val=0.5, callbacks=callbacks,
     )
     architecture, options = VARIANTS.get(model, (model, {}))
-    module = module_class(model=tiny_config(architecture), optimizer=OptimizerConfig(lr=3e-3),
+    module = module_class(model=model_config(architecture), optimizer=OptimizerConfig(lr=3e-3),
                           scheduler=SchedulerConfig(warmup_iters=2), seed=11, **options)
     data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, global_batch_size=GLOBAL_ROWS,
                           vocab_size=64, num_val_samples=2 * MICRO_ROWS)  # every layout validates all 4
@@ -89,6 +90,40 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
         dist.all_gather_object(gathered, grads)
         grads = {name: grad for rank_grads in gathered for name, grad in rank_grads.items()}
     return {"steps": recorder.steps, "val": recorder.val, "grads": grads, "converted_layers": converted}
+
+
+def model_config(name: str):
+    """``hf:<directory>``: that transformers model on the generic path (``native: never``); else
+    ``parallel_cases.tiny_config``'s native model."""
+    if name.startswith("hf:"):
+        return HFModelConfig(hf=name[3:], native="never")
+    return tiny_config(name)
+
+
+def save_hf_models(directory: Path, *families: str) -> dict[str, str]:
+    """Tiny random transformers models (``tests/tiny_hf.py``'s, and ``qwen3_sliding``: Qwen3 whose second layer
+    attends through a sliding window of 4, so the second stage must pick the mask of its own layer) saved under
+    ``directory``: family -> model name."""
+    import transformers
+    from tiny_hf import COMMON, save_tiny
+
+    names = {}
+    for family in families:
+        path = directory / f"hf_{family}"
+        if family == "qwen3_sliding":
+            config = transformers.Qwen3Config(**COMMON, intermediate_size=96, head_dim=32, use_sliding_window=True,
+                                              sliding_window=4, max_window_layers=1)
+            assert config.layer_types == ["full_attention", "sliding_attention"], config.layer_types
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.normal_(0.0, 0.1)
+            model.save_pretrained(path)
+        else:
+            save_tiny(family, path)
+        names[family] = f"hf:{path}"
+    return names
 
 
 def compare(case: str, reference: dict, run: dict, grads: bool = True) -> list[str]:
@@ -132,7 +167,27 @@ class DroppedMicroBatch(GradProbe):
         return super().training_step(batch, batch_idx)
 
 
-BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBatch}
+class IgnoredActivations(GradProbe):
+    """A broken generic-path pipeline: stages past the first run their layers on zeros, not on the hidden states
+    they received."""
+
+    def configure_model(self):
+        from lightning_moe.parallel import pipeline_hf
+
+        super().configure_model()
+        self._replace_input = pipeline_hf._replace_input
+        pipeline_hf._replace_input = lambda hidden: (lambda module, args, kwargs: None)
+
+    def teardown(self, stage):
+        from lightning_moe.parallel import pipeline_hf
+
+        if hasattr(self, "_replace_input"):
+            pipeline_hf._replace_input = self._replace_input
+        super().teardown(stage)
+
+
+BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBatch,
+          "ignored_activations": IgnoredActivations}
 
 
 def check_resume(directory: Path, reference: dict) -> list[str]:

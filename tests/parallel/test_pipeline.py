@@ -7,6 +7,8 @@ ranks. The split, the layout syntax and the size checks are tested without proce
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pipeline_cases
 import pytest
 import torch
@@ -28,14 +30,15 @@ pytestmark = pytest.mark.distributed
 
 
 def references(tmp_path, *models, checkpoint_every=None):
-    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{model}", devices=1,
+    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{Path(model).name}", devices=1,
                                       checkpoint_every=checkpoint_every) for model in models}
 
 
 def test_two_rank_pipelines_train_like_one_process(tmp_path):
     """Also: the 1F1B run checkpointed at step 3 resumes exactly with pp=2 and with pp=1 (see
     ``pipeline_cases.check_resume``), and its step-6 checkpoint exports the Hugging Face directory of the
-    one-process run's."""
+    one-process run's. Transformers models on the generic path are split into stages too; one whose later stage
+    ignores the activations it receives fails."""
     cases = [
         ("dense_interleaved", "llama", {"pp": 2, "vp": 2}),
         ("dense_1f1b_compiled_checkpointed", "llama",
@@ -47,9 +50,13 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
     ]
-    broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2})]
+    # the generic transformers path (native: never): Llama, Qwen3 with a sliding-window second layer, Qwen3-MoE
+    hf = pipeline_cases.save_hf_models(tmp_path, "llama", "qwen3_sliding", "qwen3_moe")
+    cases += [(f"hf_{family}_1f1b", name, {"pp": 2}) for family, name in hf.items()]
+    broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2}),
+              ("ignored_activations", hf["llama"], {"pp": 2})]
     expected = references(tmp_path, "llama", "deepseek_like", checkpoint_every=pipeline_cases.STEPS)
-    expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like"))
+    expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like", *hf.values()))
     run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path), expected, cases, broken, True,
                          init_process_group=False)
     check_same_export(next((tmp_path / "pp2" / "ckpt").glob("*step=6.ckpt")),
@@ -91,9 +98,12 @@ def test_four_rank_pipelines_with_fsdp_tensor_and_expert_parallelism(tmp_path):
         ("pp2_tp2_ep2_mtp", "deepseek_like", {"pp": 2, "tp": 2, "ep": 2}),
         ("pp2_tp2_tied_embeddings", "gpt_oss_like", {"pp": 2, "tp": 2}),
     ]
+    hf = pipeline_cases.save_hf_models(tmp_path, "llama", "qwen3_moe")
+    cases += [("hf_llama_pp2_fsdp2", hf["llama"], {"pp": 2, "dp_shard": 2}),
+              ("hf_qwen3_moe_pp2_ep2", hf["qwen3_moe"], {"pp": 2, "ep": 2})]
     broken = [("swapped_blocks", "llama", {"pp": 2, "tp": 2})]
     run_distributed_test(pipeline_cases.check_pipelines, 4, str(tmp_path),
-                         references(tmp_path, "llama", "deepseek_like", "gpt_oss_like"), cases, broken,
+                         references(tmp_path, "llama", "deepseek_like", "gpt_oss_like", *hf.values()), cases, broken,
                          init_process_group=False)
 
 
@@ -175,3 +185,35 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
+
+
+def test_generic_path_stages_views_and_refusals(tmp_path):
+    """A stage's view of a transformers model holds only its parts, under the whole model's names, and a config
+    whose per-layer lists are its own layers'; what the generic path does not split is refused."""
+    from lightning_moe.models.hf import HFModel, HFModelConfig, construct_hf_model
+    from lightning_moe.parallel.pipeline_hf import check_hf_pipeline, hf_view, split_hf
+
+    names = pipeline_cases.save_hf_models(tmp_path, "qwen3_sliding", "llama_tied_bias", "qwen3_moe")
+
+    def meta(family: str) -> HFModel:
+        directory = Path(names[family][3:])
+        return HFModel(construct_hf_model(HFModelConfig(hf=str(directory), native="never"), directory))
+
+    model = meta("qwen3_sliding")
+    check_hf_pipeline(model)
+    assert [s.blocks for s in split_hf(model, 2)] == [["0"], ["1"]]
+    assert [s.blocks for s in split_hf(model, 2, "E|t*2L")] == [[], ["0", "1"]]
+    view = hf_view(model.hf, ["1"], embedding=False, output=True)
+    whole = [n for n, _ in model.hf.named_parameters()]
+    assert [n for n, _ in view.named_parameters()] == [n for n in whole if not n.startswith(("model.embed_tokens.",
+                                                                                              "model.layers.0."))]
+    assert view.model.config.layer_types == ["sliding_attention"] and view.model.config.num_hidden_layers == 1
+    assert model.hf.model.config.layer_types == ["full_attention", "sliding_attention"]  # the model's own is kept
+    with pytest.raises(ValueError, match="3 virtual stages but Qwen3ForCausalLM has 2 decoder layers"):
+        split_hf(model, 3)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        check_hf_pipeline(meta("llama_tied_bias"))
+    moe = meta("qwen3_moe")
+    moe.hf.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        check_hf_pipeline(moe)
