@@ -71,9 +71,21 @@ def context_parallel_attention(module: nn.Module, query: torch.Tensor, key: torc
         raise ValueError(f"{name}: the model passes its own attention mask (e.g. a sparse-attention index mask), "
                          f"which context parallelism does not split; use cp=1")
     row.attention_calls += 1
+    if sliding_window is None:
+        sliding_window = configured_window(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, key, value, row, backend=row.backend, scale=scale, window=sliding_window, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def configured_window(module: nn.Module) -> int | None:
+    """The config's sliding window where the module's layer is a sliding one: a few models (Qwen2-MoE) mask their
+    sliding layers through transformers' mask only, without passing ``sliding_window`` to the attention function."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is None or index is None or types[index] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None) or None
 
 
 def check_hf_context_parallel(hf_model: nn.Module, cp: int) -> None:

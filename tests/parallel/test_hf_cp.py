@@ -92,6 +92,56 @@ def test_cp_of_sparse_attention_indexers_and_kv_compressors_is_refused_by_name(t
         build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
 
 
+def qwen2_moe_config():
+    """Qwen2-MoE with its sliding window on: its attention does not pass ``sliding_window`` to the attention
+    function (transformers' mask alone carries it)."""
+    import transformers as t
+
+    return t.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+@pytest.fixture
+def one_rank_cp_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("architecture", ["mimo_v2_flash", "laguna", "qwen2_moe"])
+def test_context_parallel_attention_gives_transformers_logits_on_packed_rows(tmp_path, one_rank_cp_mesh,
+                                                                             architecture):
+    """On one rank the split row is the whole row: the masks the attention function rebuilds from the positions
+    (documents, each layer's window, sinks) give transformers' own logits."""
+    from hf_cp_cases import count_attention_calls
+    from tiny_hf_models import save_tiny
+
+    from lightning_moe.parallel.hf_context import apply_hf_context_parallel
+
+    if architecture == "qwen2_moe":
+        model_dir = str(save_tiny(qwen2_moe_config(), tmp_path / architecture))
+    else:
+        model_dir = tiny(tmp_path, architecture, sliding_window=WINDOW)
+    config = HFModelConfig(hf=model_dir, native="never")
+    reference = build_hf_model(config)
+    model = build_hf_model(config, parallelize=lambda m: apply_hf_context_parallel(m, one_rank_cp_mesh))
+    calls = count_attention_calls()
+    batch = parallel_cases.global_batches(VOCAB)[0]
+    with torch.no_grad():
+        expected = reference(batch["input_ids"], batch["position_ids"])
+        torch.testing.assert_close(model(batch["input_ids"], batch["position_ids"]), expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == reference.hf.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("architecture", ["mimo_v2_flash", "laguna"])
 def test_packed_rows_give_each_sample_its_own_logits(tmp_path, architecture):
     """transformers masks packed rows by their restarting position ids (sliding windows and sinks included)."""
