@@ -168,10 +168,10 @@ def mamba_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> Forw
 def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
     """The chunked gated delta rule of each sequence, per value head (queries and keys serve every value head
     of their group): per chunk of ``c`` tokens the two decayed products ``k k^T`` and ``q k^T`` (``2 c^2 d_k``
-    each), the unit-triangular solve for ``[v | k]`` (its block inverses and substitution, ``solve_flops``), the
+    each), the unit-triangular solve for ``[v | k]`` (the blocked inverse and its product, ``solve_flops``), the
     intra-chunk output (``2 c^2 d_v``); between chunks the state written, and read twice (``3 x 2 c d_k d_v``),
-    once per chunk after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``. Its forward,
-    recomputed in backward (``layers/delta_rule.py``), counts once, as activation checkpointing does."""
+    once per chunk after a sequence's first. A last, partial chunk of ``r`` tokens counts ``r``. Training counts
+    three forwards, whatever backward recomputes (``layers/delta_rule.py``), as activation checkpointing does."""
     la = cfg.linear_attention
     dk, dv, chunk = la.head_k_dim, la.head_v_dim, la.chunk_size
     full, rest = seqs.lengths // chunk, seqs.lengths % chunk

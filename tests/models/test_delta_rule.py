@@ -69,10 +69,10 @@ def test_chunked_equals_sequential_in_fp64(per_channel):
 @pytest.mark.parametrize("group", [8, 1, 2], ids=["one_group", "chunk_by_chunk", "groups_of_2"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_packed_rows_restart_with_gradients(per_channel, group, monkeypatch):
-    """Backward recomputes ``RECOMPUTE_CHUNKS`` chunks at a time from the states saved between them."""
+    """Backward recomputes ``CHUNK_GROUP`` chunks at a time from the states saved between them."""
     from lightning_moe.models.layers import delta_rule
 
-    monkeypatch.setattr(delta_rule, "RECOMPUTE_CHUNKS", group)
+    monkeypatch.setattr(delta_rule, "CHUNK_GROUP", group)
     q, k, v, g, beta = inputs(per_channel, seq=40)
     # row 0: sequences of 5, 19 (crosses chunks), 16; row 1: a start exactly on a chunk boundary (16), a 1-token one
     lengths = [[5, 19, 16], [16, 1, 23]]
@@ -87,6 +87,27 @@ def test_packed_rows_restart_with_gradients(per_channel, group, monkeypatch):
     (want * weights).sum().backward()
     for mine, ref in zip(leaves, ref_leaves):
         torch.testing.assert_close(mine.grad, ref.grad, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize(("chunk_size", "seq", "group"), [(16, 45, 2), (32, 7, 4), (64, 130, 1), (16, 100, 3)])
+def test_gradients_equal_sequential_in_fp64(per_channel, chunk_size, seq, group, monkeypatch):
+    """Every input's gradient (the decays and betas too) against autograd through the token recurrence, with
+    lengths that pad the last chunk and ``CHUNK_GROUP`` chunks per backward step (the state's gradient crosses
+    steps). Gated DeltaNet runs the hand-written backward, KDA autograd through its recomputed forward."""
+    from lightning_moe.models.layers import delta_rule
+
+    monkeypatch.setattr(delta_rule, "CHUNK_GROUP", group)
+    leaves = [t.requires_grad_() for t in inputs(per_channel, seq=seq, seed=3)]
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    got = chunk_gated_delta_rule(*leaves, chunk_size)
+    want = sequential_delta_rule(*ref_leaves)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=want.dtype)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    for name, mine, ref in zip("q k v g beta".split(), leaves, ref_leaves):
+        torch.testing.assert_close(mine.grad, ref.grad, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
 
 
 def test_packed_row_equals_its_sequences_alone():

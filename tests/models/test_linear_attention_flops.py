@@ -2,8 +2,10 @@
 
 FlopCounterMode counts matmuls only, so two terms are swapped for what it sees: causal attention scores for
 sdpa's math path full square (torch's own formula), and the conv's multiply-adds (elementwise taps) left out;
-and it sees the delta rule's forward once more, recomputed in backward.
-Rows are whole chunks, so every chunk is a full square; chunks of 32 solve in two 16-row blocks."""
+and the delta rule's backward as it runs: KDA's recomputes the forward under autograd (twice the forward's
+products, plus the forward once more), Gated DeltaNet's hand-written one is counted product by product
+(:func:`head_decay_executed_flops`). Rows are whole chunks, so every chunk is a full square; chunks of 32 solve
+in two 16-row blocks."""
 
 from __future__ import annotations
 
@@ -31,6 +33,22 @@ def tiny_config(symbol: str) -> ModelConfig:
                                                head_v_dim=8 if kda else 10, chunk_size=32),
         norm_offset=not kda,
     )
+
+
+def head_decay_executed_flops(C: int, dk: int, dv: int) -> int:
+    """Matmul FLOPs per value head and chunk of the one-decay-per-head delta rule's forward + backward
+    (``layers/delta_rule.py``), which reads the state in every chunk (a zero one in the first). Chunk-parallel
+    part (run in forward and again in backward): ``k k^T``, ``q k^T``, the inverse, ``T [v | k]``. Forward scan:
+    ``W S``, ``k_end^T v_new``, ``q_start S``, ``qk v_new``. Backward: ``W S``, ``qk^T dO``, ``q_start^T dO``,
+    two products per chunk for the state's gradient, ``dO v_new^T``, ``dO S^T``, ``v_new dS^T``, ``dv_new S^T``,
+    ``T^T dX``, ``dR X^T`` and the four products back to ``q`` and ``k``."""
+    from lightning_moe.models.layers.delta_rule import inverse_flops
+
+    parallel = 2 * 2 * C * C * dk + inverse_flops(C) + 2 * C * C * (dk + dv)
+    forward = parallel + 3 * 2 * C * dk * dv + 2 * C * C * dv
+    backward = (parallel + 7 * 2 * C * dk * dv + 2 * 2 * C * C * dv + 2 * 2 * C * C * (dk + dv)
+                + 4 * 2 * C * C * dk)
+    return forward + backward
 
 
 @pytest.mark.parametrize("symbol", ["G", "K"], ids=["gated_deltanet", "kda"])
@@ -61,6 +79,12 @@ def test_flops_match_flop_counter(symbol):
     key = la.num_k_heads * la.head_k_dim
     conv_dim = 3 * key if symbol == "K" else 2 * key + la.num_v_heads * la.head_v_dim
     expected -= 3 * mixers * 2 * batch * seq * la.conv_kernel * conv_dim
-    # backward recomputes the delta rule's forward (model FLOPs leave recomputation out, as activation checkpointing)
-    expected += mixers * delta_rule_flops(cfg, Sequences.of_length(seq, batch))
+    # model FLOPs count the delta rule as three forwards and leave recomputation out (as activation checkpointing)
+    rule = delta_rule_flops(cfg, Sequences.of_length(seq, batch))
+    if symbol == "K":  # autograd through the recomputed forward
+        expected += mixers * rule
+    else:
+        chunks = batch * seq // la.chunk_size
+        executed = la.num_v_heads * chunks * head_decay_executed_flops(la.chunk_size, la.head_k_dim, la.head_v_dim)
+        expected += mixers * (executed - 3 * rule)
     assert counter.get_total_flops() == pytest.approx(expected, rel=1e-6)
