@@ -71,6 +71,13 @@ def checkpoint(tmp_path_factory):
     return model, path
 
 
+def test_rotary_mla_is_refused_by_name():
+    hf = hf_config().to_dict()
+    family_by_name("kimi_linear").from_hf_config(dict(hf, mla_use_nope=True))
+    with pytest.raises(ValueError, match="mla_use_nope"):
+        family_by_name("kimi_linear").from_hf_config(dict(hf, mla_use_nope=False))
+
+
 def test_config_reads_layer_types_and_settings():
     hf = hf_config().to_dict()
     cfg = family_for_hf_config(hf).from_hf_config(hf)

@@ -130,6 +130,9 @@ class KimiLinear(Family):
         return cfg
 
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
+        if not hf.get("mla_use_nope", True):  # the hub's config.json says true; transformers' model is NoPE only
+            raise ValueError(f"{ARCH}: mla_use_nope=false (rotary MLA layers) is not supported; Kimi-Linear's "
+                             "MLA layers are NoPE, and so are transformers' and this package's")
         types = layer_types_from_hf(hf)
         ffn = mlp_types_from_hf(hf, len(types))
         pattern = "".join(MIXERS[t] + ("E" if f == "sparse" else "-") for t, f in zip(types, ffn))
