@@ -27,6 +27,7 @@ from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
 from lightning_moe.models.hf_experts import force_balanced_routing, track_expert_load
+from lightning_moe.models.hf_packing import PackedMaskCheck
 from lightning_moe.models.hf_weights import load_hf_weights
 from lightning_moe.models.layers.loss import (
     IGNORE_INDEX,
@@ -291,6 +292,8 @@ class HFModel(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.fused_loss = fused_output_layer(hf_model)
         self.packing_limitation = packing_limitation(hf_model)
+        # packed rows kept apart by the model's own masks (models refused above are not checked again)
+        self.packed_masks = PackedMaskCheck(hf_model, enabled=self.packing_limitation is None)
         # found before parallelism: FSDP renames the classes it wraps
         self._unit_names = list(_layer_units(hf_model))
         self.hf_class = type(hf_model)  # what the FLOP count builds a fake copy of
@@ -315,15 +318,18 @@ class HFModel(nn.Module):
                     f"use one sample per row (data packing: none)"
                 )
         kwargs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **inputs}
+        check = self.packed_masks.around(list(self.layers.values()), position_ids)
         if labels is None:
-            return self.hf(**kwargs).logits
+            with check:
+                return self.hf(**kwargs).logits
         if not self.fused_loss:
-            out = self.hf(**kwargs)
+            with check:
+                out = self.hf(**kwargs)
             loss_sum = cross_entropy_sum(out.logits, labels)
             count = (labels != IGNORE_INDEX).sum()
         else:
             head = self.hf.get_output_embeddings()
-            with output_layer_inputs(head) as hidden:
+            with output_layer_inputs(head) as hidden, check:
                 out = self.hf(**kwargs)
             if type(head.weight).__name__ == "DTensor":  # vocabulary split over tensor-parallel ranks
                 loss_sum, count = vocab_parallel_loss(hidden[-1], head.weight, labels, self.loss_chunk_size)

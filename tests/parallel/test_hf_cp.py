@@ -158,3 +158,20 @@ def test_packed_rows_give_each_sample_its_own_logits(tmp_path, architecture):
         # the same row read as one sequence differs: the boundaries were honoured, not ignored
         whole = model(packed, torch.arange(packed.shape[1])[None])[0].split([len(s) for s in samples])
         assert not torch.allclose(whole[1], logits[1], atol=1e-3)
+
+
+def test_packed_rows_of_a_model_whose_mask_ignores_position_ids_are_refused(tmp_path):
+    """transformers' GPT-OSS builds its masks without position_ids: packed samples would attend to each other."""
+    import transformers as t
+    from tiny_hf_models import save_tiny
+
+    config = t.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2)
+    model = build_hf_model(HFModelConfig(hf=str(save_tiny(config, tmp_path / "gpt_oss")), native="never"))
+    batch = parallel_cases.global_batches(VOCAB)[0]
+    model(batch["input_ids"], labels=batch["labels"])  # one sample per row: nothing to keep apart
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM cannot train on packed rows: its transformers code "
+                                         r"builds the attention mask without position_ids"):
+        model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
