@@ -9,9 +9,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from expert_parallel_cases import expert_parallel_gradients
+from tiny_hf_models import batch
 from trainer_cases import fit
 
-from lightning_moe.models.hf_experts import CORRECTION_BIAS, correction_bias_routers
+from lightning_moe.models.hf import HFModelConfig, build_hf_model
+from lightning_moe.models.hf_experts import CORRECTION_BIAS, correction_bias_routers, update_correction_biases
+from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.hf import parallelize_hf
 
 BIAS_UPDATE_RATE = 1e-2
 
@@ -43,13 +47,40 @@ def fit_with_bias_updates(model_dir: str, root: str, sizes: dict | None, bias: b
     return record
 
 
+def opposite_halves(module, args):
+    """Routing skewed one way on even ranks and the other way on odd ones: each token's two copies to experts
+    0 and 1, or 2 and 3, so each rank's own load is lopsided while the global load is even."""
+    hidden_states, top_k_index, top_k_weights = args
+    offset = 2 * (dist.get_rank() % 2)
+    chosen = torch.arange(top_k_index.shape[1], device=top_k_index.device) + offset
+    return hidden_states, chosen.expand_as(top_k_index).to(top_k_index.dtype), top_k_weights
+
+
+def bias_update_from_global_load(model_dir: str, layout: dict) -> dict[str, list]:
+    """One training forward under ``layout`` with :func:`opposite_halves` routing, then one bias update: the
+    biases (full) afterwards, which move only if a rank used its own load instead of the global one."""
+    dims = ParallelDims(**layout, world_size=dist.get_world_size())
+    dims.build_meshes("cpu")
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never", bias_update_rate=0.5),
+                           parallelize=lambda m: parallelize_hf(m, dims))
+    for _, _, experts in correction_bias_routers(model.hf):
+        experts.register_forward_pre_hook(opposite_halves, prepend=True)  # before the load is counted
+    data = {key: value.chunk(dims.dp_size)[dims.dp_rank] for key, value in batch(rows=4).items()}
+    model.train()
+    model(data["input_ids"], labels=data["labels"])
+    update_correction_biases(model)
+    return {k: v.tolist() for k, v in correction_biases(model.hf).items()}
+
+
 def every_architecture(root: str, architectures: dict[str, bool], layout: dict) -> None:
     """For each architecture (``root/<name>``; value: whether its router has a correction bias), at ``layout``:
-    the first backward's loss and full gradients (``root/<name>_grads.pt``) and five Trainer steps
-    (``root/<name>_fit.json``)."""
+    the first backward's loss and full gradients (``root/<name>_grads.pt``), five Trainer steps and, with a
+    correction bias, one update from rank-skewed routing (``root/<name>_fit.json``)."""
     for name, bias in architectures.items():
         model_dir = str(Path(root) / name)
         expert_parallel_gradients(model_dir, str(Path(root) / f"{name}_grads.pt"), layout, skewed=False)
         record = fit_with_bias_updates(model_dir, str(Path(root) / f"{name}_run"), layout, bias)
+        if bias:
+            record["skewed_update"] = bias_update_from_global_load(model_dir, layout)
         if dist.get_rank() == 0:
             (Path(root) / f"{name}_fit.json").write_text(json.dumps(record))
