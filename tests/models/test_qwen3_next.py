@@ -1,4 +1,4 @@
-"""Qwen3-Next: config translation, hub-layout round trip (fused qkvz/ba rows permuted both ways), logits against
+"""Qwen3-Next: config translation, round trip (fused qkvz/ba rows permuted both ways), logits against
 transformers (plain, and packed rows against the sequences alone, since transformers' mixer leaks state across
 a packed boundary), and gradients of a training step."""
 
@@ -87,20 +87,13 @@ def test_config_errors_name_the_key():
         family_by_name("qwen3_next").from_hf_config(hf)
 
 
-def test_round_trip_is_bitwise_with_mtp_tensors_ignored(tmp_path, checkpoint):
-    from safetensors.torch import load_file, save_file
-
+def test_round_trip_is_bitwise(tmp_path, checkpoint):
+    """transformers' checkpoint (no mtp.* tensors: no MTP depth); the hub's MTP layer: test_qwen3_next_mtp.py."""
     _, hub = checkpoint
-    # the hub's checkpoints carry MTP layers that transformers (and we) do not build
-    src = tmp_path / "hub"
-    src.mkdir()
-    for f in hub.iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(src / "model.safetensors")
-    save_file({**tensors, "mtp.fc.weight": torch.randn(64, 128)}, src / "model.safetensors", metadata={"format": "pt"})
-    native = import_hf_checkpoint(src, tmp_path / "native")
+    native = import_hf_checkpoint(hub, tmp_path / "native")
     names = SafetensorsDir(native).keys()
     assert "layers.0.gdn.in_proj_qkv.weight" in names and "layers.0.gdn.in_proj_a.weight" in names
+    assert not any(name.startswith("mtp.") for name in names)
     export_hf_checkpoint(native, tmp_path / "export")
     report = verify_hf_checkpoints(hub, tmp_path / "export")
     assert report.ok, report.summary()

@@ -210,7 +210,8 @@ def identical_copies(native: str, hf: Sequence[str]) -> TensorMap:
     return TensorMap(native, tuple(hf), to_native, to_hf)
 
 
-def _prefixed(prefix: str, maps: list[TensorMap]) -> list[TensorMap]:
+def prefixed(prefix: str, maps: list[TensorMap]) -> list[TensorMap]:
+    """``maps`` with ``prefix`` before every native name (an MTP depth's)."""
     return [dataclasses.replace(m, native=prefix + m.native, joint=tuple(prefix + n for n in m.joint)) for m in maps]
 
 
@@ -236,7 +237,7 @@ def backbone_and_mtp_maps(cfg: ModelConfig, attention: AttentionMaps) -> list[Te
         depth.append(TensorMap.rename("eh_proj.weight", f"{hub}.eh_proj.weight"))
         depth.append(TensorMap.rename("final_norm.weight", f"{hub}.shared_head.norm.weight"))
         depth += decoder_layer_maps(cfg, cfg.mtp.pattern, hub, attention)
-        maps += _prefixed(f"mtp.depths.{d}.", depth)
+        maps += prefixed(f"mtp.depths.{d}.", depth)
     return maps
 
 

@@ -7,18 +7,22 @@ expert scaled by ``sigmoid(shared_expert_gate)``) or a dense MLP (``-``, ``mlp_o
 ``decoder_sparse_step`` grid) with ``post_attention_layernorm``. Every RMSNorm scales by ``1 + weight``.
 
 The hub's ``in_proj_qkvz`` holds, per key head, its ``q | k | v | z`` rows (``in_proj_ba``: ``b | a``); the
-native mixer has Qwen3.5's split projections, so import/export permutes rows (exact both ways). The hub's MTP
-layers (``mtp.*``) are not imported: transformers' model ignores them too.
+native mixer has Qwen3.5's split projections, so import/export permutes rows (exact both ways).
+
+The hub's MTP layer (``mtp.*``, which transformers' model ignores) is one native MTP depth: ``pre_fc_norm_embedding``
+/ ``pre_fc_norm_hidden`` / ``fc`` / ``norm`` are its ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_norm`` (the same
+``fc([norm(embedding) | norm(hidden)])``), and ``mtp.layers.0`` a gated-attention + MoE (or MLP) layer of the
+backbone's kind. Checkpoints without ``mtp.*`` tensors (transformers') build no MTP depth.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
-from lightning_moe.models.config import LinearAttentionConfig, MLPConfig, ModelConfig, MoEConfig
+from lightning_moe.models.config import LinearAttentionConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
 from lightning_moe.models.families.common import (
     LayerNames,
@@ -30,6 +34,7 @@ from lightning_moe.models.families.common import (
     mlp_maps,
     moe_maps,
 )
+from lightning_moe.models.families.deepseek_v3 import prefixed
 from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 
 ARCH = "Qwen3NextForCausalLM"
@@ -198,16 +203,19 @@ def gdn_maps(cfg: ModelConfig, block: int, hf_layer: str, fused: bool) -> list[T
     return maps
 
 
-def qwen3_next_layer_maps(cfg: ModelConfig, fused: bool, prefix: str = "model") -> list[TensorMap]:
+def qwen3_next_layer_maps(cfg: ModelConfig, fused: bool, prefix: str = "model",
+                          pattern: str | None = None) -> list[TensorMap]:
+    """Layers ``{prefix}.layers.{i}`` of ``pattern`` (default: the backbone's) <-> native blocks ``(2i, 2i + 1)``."""
+    pattern = pattern or cfg.pattern
     maps = []
-    for i in range(len(cfg.pattern) // 2):
+    for i in range(len(pattern) // 2):
         hf_layer, mixer, ffn = f"{prefix}.layers.{i}", 2 * i, 2 * i + 1
-        if cfg.pattern[mixer] == "G":
+        if pattern[mixer] == "G":
             maps += gdn_maps(cfg, mixer, hf_layer, fused)
         else:
             maps += attention_maps(cfg, mixer, hf_layer)
         maps.append(TensorMap.rename(f"layers.{ffn}.norm.weight", f"{hf_layer}.post_attention_layernorm.weight"))
-        if cfg.pattern[ffn] == "E":
+        if pattern[ffn] == "E":
             maps += moe_maps(cfg, ffn, hf_layer, LayerNames())
             if cfg.moe.num_shared_experts:
                 maps += mlp_maps(ffn, f"{hf_layer}.mlp.shared_expert", native="moe.shared_experts")
@@ -218,17 +226,52 @@ def qwen3_next_layer_maps(cfg: ModelConfig, fused: bool, prefix: str = "model") 
     return maps
 
 
+def mtp_layer_pattern(cfg: ModelConfig) -> str:
+    """The hub's MTP layer: gated attention, then MoE when the backbone has any."""
+    return "*E" if "E" in cfg.pattern else "*-"
+
+
+def mtp_maps(cfg: ModelConfig) -> list[TensorMap]:
+    mtp = cfg.mtp
+    if mtp.num_layers != 1 or mtp.pattern != mtp_layer_pattern(cfg):
+        raise ValueError(f"qwen3_next: the hub holds one MTP layer of pattern {mtp_layer_pattern(cfg)!r}; got "
+                         f"mtp.num_layers={mtp.num_layers}, mtp.pattern={mtp.pattern!r}")
+    depth = [TensorMap.rename(f"{native}.weight", f"mtp.{hub}.weight") for native, hub in (
+        ("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("eh_proj", "fc"), ("final_norm", "norm"))]
+    depth += qwen3_next_layer_maps(cfg, fused=True, prefix="mtp", pattern=mtp.pattern)
+    return prefixed("mtp.depths.0.", depth)
+
+
 class Qwen3Next(Family):
     def from_hf_config(self, hf: dict[str, Any]) -> ModelConfig:
-        return qwen3_next_model(hf, self.name, ARCH)
+        cfg = qwen3_next_model(hf, self.name, ARCH)
+        depths = int(hf.get("mtp_num_hidden_layers") or 0)
+        if depths:
+            cfg.mtp = MTPConfig(num_layers=depths, pattern=mtp_layer_pattern(cfg), hub_weight_copies=False)
+        return cfg
+
+    def from_hf_checkpoint(self, hf: dict[str, Any], tensor_names: Collection[str]) -> ModelConfig:
+        """The checkpoint decides: transformers saves no ``mtp.*`` tensors (no depth), the hub one layer."""
+        cfg = self.from_hf_config(hf)
+        if not any(name.startswith("mtp.") for name in tensor_names):
+            cfg.mtp = None
+            return cfg
+        layers = sorted({name.split(".")[2] for name in tensor_names if name.startswith("mtp.layers.")})
+        if layers != ["0"]:
+            raise ValueError(f"qwen3_next checkpoint: its mtp.* tensors hold MTP layers {layers}; one MTP layer "
+                             "(mtp.layers.0) is supported")
+        cfg.mtp = MTPConfig(num_layers=1, pattern=mtp_layer_pattern(cfg), hub_weight_copies=False)
+        return cfg
 
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        return qwen3_next_hf_config(cfg, self.name, ARCH, self.model_type)
+        hf = qwen3_next_hf_config(cfg, self.name, ARCH, self.model_type)
+        if cfg.mtp is not None:
+            hf["mtp_num_hidden_layers"] = cfg.mtp.num_layers
+        return hf
 
     def weight_map(self, cfg: ModelConfig) -> list[TensorMap]:
         check_pattern(cfg, self.name)
-        return embedding_maps(cfg) + qwen3_next_layer_maps(cfg, fused=True)
+        return embedding_maps(cfg) + qwen3_next_layer_maps(cfg, fused=True) + (mtp_maps(cfg) if cfg.mtp else [])
 
 
-FAMILY = Qwen3Next(name="qwen3_next", architectures=(ARCH,), model_type="qwen3_next",
-                   ignored_hf_tensors=("rotary_emb.inv_freq", "mtp."))
+FAMILY = Qwen3Next(name="qwen3_next", architectures=(ARCH,), model_type="qwen3_next")

@@ -1,4 +1,4 @@
-"""Multi-token prediction (DeepSeek-V3, Nemotron-H): extra depths that each predict one token further ahead.
+"""Multi-token prediction (DeepSeek-V3, Nemotron-H, Qwen3-Next): extra depths that each predict one token further ahead.
 
 Depth ``d`` combines the previous depth's normalized hidden state at position ``t`` with the embedding of
 token ``t + d``: ``h = eh_proj([enorm(embed(x[t+d])), hnorm(h_prev[t])])``, runs its own small block stack
@@ -28,11 +28,13 @@ class MTPDepth(nn.Module):
     def __init__(self, config: ModelConfig, build_blocks: BuildBlocks) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.enorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
-        self.hnorm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
+        # the decoder's norms (1 + weight under norm_offset: Qwen3-Next's MTP norms too)
+        norm = (config.norm_eps, config.norm_weight_fp32, config.norm_offset)
+        self.enorm = RMSNorm(hidden, *norm)
+        self.hnorm = RMSNorm(hidden, *norm)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = build_blocks(config.mtp.pattern, config)
-        self.final_norm = RMSNorm(hidden, config.norm_eps, config.norm_weight_fp32)
+        self.final_norm = RMSNorm(hidden, *norm)
         self._init_std = config.init_std
 
     def reset_parameters(self, init_std: float | None = None) -> None:
