@@ -84,3 +84,15 @@ def every_architecture(root: str, architectures: dict[str, bool], layout: dict) 
             record["skewed_update"] = bias_update_from_global_load(model_dir, layout)
         if dist.get_rank() == 0:
             (Path(root) / f"{name}_fit.json").write_text(json.dumps(record))
+
+
+def pipelines_match(root: str, references: dict) -> None:
+    """pp=2 Trainer runs of the ``references`` models (``hf:<directory>``) on the generic path's pipeline stages,
+    compared with their one-process runs (``parallel/pipeline_cases.py``'s fit and comparison)."""
+    import pipeline_cases
+
+    problems = []
+    for model, reference in references.items():
+        run = pipeline_cases.fit(model, {"pp": 2}, Path(root) / f"pp2_{Path(model).name}")
+        problems += pipeline_cases.compare(Path(model).name, reference, run)
+    assert not problems, "\n".join(problems)

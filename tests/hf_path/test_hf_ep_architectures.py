@@ -13,7 +13,12 @@ import json
 import pytest
 import torch
 from distributed_harness import run_distributed_test
-from ep_architecture_cases import correction_biases, every_architecture, fit_with_bias_updates
+from ep_architecture_cases import (
+    correction_biases,
+    every_architecture,
+    fit_with_bias_updates,
+    pipelines_match,
+)
 from expert_parallel_cases import assert_same_gradients
 from tiny_hf_models import batch
 from tiny_hf_moes import ARCHITECTURES, save_tiny_moe
@@ -127,3 +132,16 @@ def test_bias_update_follows_the_load_and_is_refused_without_a_bias(checkpoints)
         with pytest.raises(ValueError, match=r"model.bias_update_rate=0.5: \w+ForCausalLM has no router with an "
                                              r"e_score_correction_bias"):
             build_hf_model(HFModelConfig(hf=str(root / name), native="never", bias_update_rate=0.5))
+
+
+@pytest.mark.distributed
+def test_pp2_stages_of_glm_moe_dsa_and_laguna_match_one_process(checkpoints):
+    """The GLM-5.3 recipe's pipeline stages on the generic path: tiny GLM-MoE-DSA (sparse-attention indexer, dense
+    then MoE layers) and Laguna split into two stages train like one process (6 steps' losses and gradient norms,
+    validation, first-step gradients; ``parallel/pipeline_cases.py``)."""
+    import pipeline_cases
+
+    root, _ = checkpoints
+    references = {f"hf:{root / name}": pipeline_cases.fit(f"hf:{root / name}", None, root / f"pp1_{name}")
+                  for name in ("glm_moe_dsa", "laguna")}
+    run_distributed_test(pipelines_match, 2, str(root), references, timeout=900, init_process_group=False)

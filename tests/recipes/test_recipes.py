@@ -79,7 +79,15 @@ def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
     dims.check_data_module(data)
     data.trainer = SimpleNamespace(strategy=SimpleNamespace(data_parallel_rank=0, data_parallel_size=dims.dp_size))
     gbs = data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
-    if dims.pp > 1:
+    if dims.pp > 1 and config is None:  # the generic path's stages: its schedule and micro-batches
+        from lightning_moe.modules.pipeline_step import check_micro_batches
+        from lightning_moe.parallel.pipeline import check_schedule, default_schedule
+
+        args = cfg["trainer"]["strategy"]["init_args"]
+        vp = args.get("vp", 1)
+        check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
+        check_micro_batches(gbs // (data.micro_batch_size * dims.dp_size), dims.pp)
+    elif dims.pp > 1:
         check_pipeline(config, cfg["trainer"]["strategy"]["init_args"], dims, gbs // (data.micro_batch_size * dims.dp_size))
 
 
