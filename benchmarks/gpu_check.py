@@ -10,7 +10,8 @@ short keeps what it measured):
 4. ``flex``: flex attention on packed rows against SDPA with the same mask, forward and backward, and timings.
 5. ``fp8``: torchao FP8 tensorwise and rowwise training steps for real (MXFP8 reported as needing SM100 where
    the GPU is older), against bf16.
-6. ``transformer_engine``: ``attention: te`` and TE linear/RMSNorm on the dense twin, loss against the default.
+6. ``transformer_engine``: ``attention: te`` and ``te_modules: true`` (TE linear/RMSNorm) on the dense twin,
+   built on the meta device as the strategy builds models, loss against the default.
 7. ``timings``: the two single-GPU published rows (Llama3 8B LoRA, Qwen2.5 7B LoRA: GBS 32, MBS 2, seq 4096) and
    layer-cut proxies of Qwen3-MoE-30B and Nemotron 3 Nano that fit one GPU, through the Trainer as the
    recipes run; measured vs published TFLOP/s/GPU and MFU.
@@ -21,12 +22,14 @@ short keeps what it measured):
 ``--dry-run`` runs every section on CPU with toy sizes (the timing rows use the tiny twins instead of the hub
 architectures, the compile section uses the ``aot_eager`` backend and the flex section torch's eager
 flex_attention, since inductor's CPU compile alone would take minutes), so the script cannot rot before a GPU is
-lent; its numbers say nothing about a GPU.
+lent; its numbers say nothing about a GPU. ``--budget-s`` (default 450): sections and timing rows that would start
+later are recorded as skipped, so one invocation ends inside 8 minutes with its JSON written.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import os
@@ -62,16 +65,25 @@ SEQ = 4096
 
 
 class Check:
-    def __init__(self, out: Path, dry_run: bool) -> None:
+    def __init__(self, out: Path, dry_run: bool, budget_s: float = 450.0) -> None:
         self.out, self.dry_run = out, dry_run
+        # past the budget, sections and timing rows not yet started are recorded as skipped (a lent GPU's
+        # time is short: the run must end, with its JSON, well inside it)
+        self.deadline = time.perf_counter() + budget_s
         self.device = torch.device("cpu" if dry_run else "cuda")
         self.results: dict = {"dry_run": dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sections": {}}
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() > self.deadline
 
     def section(self, name: str, run) -> None:
         start = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
-            result = {"status": "ok", **(run(self) or {})}
+            if self.out_of_time():
+                result = {"status": "skipped", "reason": "time budget spent before this section started (--budget-s)"}
+            else:
+                result = {"status": "ok", **(run(self) or {})}
         except Exception as error:  # noqa: BLE001 - one failing section must not hide the others
             result = {"status": "failed", "error": f"{type(error).__name__}: {error}"[:2000],
                       "traceback": traceback.format_exc()[-4000:]}
@@ -102,7 +114,8 @@ def environment(check: Check) -> dict:
         env.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}", gpu_memory_gib=props.total_memory / 2**30,
                    gpus=torch.cuda.device_count(), cudnn=torch.backends.cudnn.version())
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()  # a tuple, or one int in some builds
+            env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
         except Exception as error:  # noqa: BLE001
             env["nccl"] = f"unknown ({error})"
         try:
@@ -131,14 +144,21 @@ def packed_batch(vocab: int, device, rows: int = 2, seq: int = 64):
     return ids.to(device), positions.to(device), labels.to(device)
 
 
-def train_losses(config, device, steps: int = 5, prepare=None) -> list[float]:
-    """``steps`` AdamW steps of a fresh Decoder (same seed, same packed batch) on ``device``."""
+def train_losses(config, device, steps: int = 5, prepare=None, meta: bool = False) -> list[float]:
+    """``steps`` AdamW steps of a fresh Decoder (same seed, same packed batch) on ``device``. ``meta``: built on
+    the meta device, materialized on ``device`` and initialized there, as the strategy builds models."""
     from lightning_moe.models.decoder import Decoder
 
     torch.manual_seed(0)
-    model = Decoder(config)
-    model.init_weights()
-    model.to(device)
+    if meta:
+        with torch.device("meta"):
+            model = Decoder(config)
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+    else:
+        model = Decoder(config)
+        model.init_weights()
+        model.to(device)
     if prepare is not None:
         prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -302,21 +322,29 @@ def fp8_step(config, width: int, tokens: int, device) -> dict:
 
 # ---------------------------------------------------------------- Transformer Engine
 def transformer_engine(check: Check) -> dict:
+    import copy
     import importlib.util
 
-    from lightning_moe.models.layers.te import use_te_modules
-
     config = twin_config("dense")
-    if importlib.util.find_spec("transformer_engine") is None or check.dry_run:
-        config.attention.backend = "te"
-        try:
-            train_losses(config, check.device, steps=1)
-        except ValueError as error:
-            return {"status": "skipped", "installed": False, "error_without_te": str(error)}
-        raise AssertionError("attention backend 'te' without Transformer Engine did not raise a clear error")
-    default = train_losses(config, check.device, prepare=lambda m: m.to(torch.bfloat16))
-    config.attention.backend = "te"
-    te_losses = train_losses(config, check.device, prepare=lambda m: (m.to(torch.bfloat16), use_te_modules(m)))
+    if importlib.util.find_spec("transformer_engine") is None:
+        attention_te, te_modules = copy.deepcopy(config), copy.deepcopy(config)
+        attention_te.attention.backend, te_modules.te_modules = "te", True
+        errors = {}
+        for key, chosen in (("error_without_te", attention_te), ("te_modules_error_without_te", te_modules)):
+            try:
+                train_losses(chosen, check.device, steps=1)
+            except ValueError as error:
+                errors[key] = str(error)
+                continue
+            raise AssertionError(f"{key}: choosing Transformer Engine without it installed raised no clear error")
+        return {"status": "skipped", "installed": False, **errors}
+    if check.dry_run:
+        return {"status": "skipped", "installed": True, "reason": "Transformer Engine runs on a GPU only"}
+    # both built on meta and initialized on the GPU with one seed: the same weights (te.Linear keeps the
+    # package's init), TE's attention kernel plus model.te_modules against SDPA and torch's layers
+    default = train_losses(config, check.device, prepare=lambda m: m.to(torch.bfloat16), meta=True)
+    config.attention.backend, config.te_modules = "te", True
+    te_losses = train_losses(config, check.device, prepare=lambda m: m.to(torch.bfloat16), meta=True)
     result = {"installed": True, "default_losses": default, "te_losses": te_losses, "match": close(te_losses, default, 5e-2)}
     if not result["match"]:
         raise AssertionError(f"TE losses {te_losses} != default backend {default}")
@@ -353,6 +381,10 @@ def timings(check: Check) -> dict:
     for name, hub, row, lora, layers, micro, global_batch, twin in TIMINGS:
         start = time.perf_counter()
         entry = {"name": name, "row": row, "published_tflops_per_gpu": published(row).get("tflops_per_gpu")}
+        if check.out_of_time():
+            table.append({**entry, "status": "skipped", "error": "time budget spent before this row started"})
+            continue
+        trainer = module = None
         try:
             if check.dry_run:
                 config, seq, micro, global_batch = twin_config(twin), 64, 2, 4
@@ -379,6 +411,8 @@ def timings(check: Check) -> dict:
             entry.update(status="failed", error=f"{type(error).__name__}: {error}"[:1000])
         entry["seconds"] = round(time.perf_counter() - start, 1)
         table.append(entry)
+        del trainer, module  # this row's model and optimizer state, before the next row builds its own
+        gc.collect()
         if check.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -410,9 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--dry-run", action="store_true", help="run every section on CPU at toy sizes")
     parser.add_argument("--sections", nargs="+", choices=[n for n, _ in SECTIONS], default=[n for n, _ in SECTIONS])
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="seconds after which sections and timing rows not yet started are skipped")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    check = Check(args.out, args.dry_run)
+    check = Check(args.out, args.dry_run, args.budget_s)
     for name, run in SECTIONS:
         if name in args.sections:
             check.section(name, run)

@@ -27,6 +27,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(sections["fp8"]["recipes"]) == {"tensorwise", "rowwise", "mxfp8"}
     if sections["transformer_engine"]["status"] == "skipped":
         assert "pip install '.[te]'" in sections["transformer_engine"]["error_without_te"]
+        assert "te_modules: true" in sections["transformer_engine"]["te_modules_error_without_te"]
     rows = sections["timings"]["rows"]
     assert [r["status"] for r in rows] == ["ok"] * 4 and all(r["tflops_per_gpu"] > 0 for r in rows)
     assert [r["published_tflops_per_gpu"] for r in rows] == [402, 423, 277, 328]

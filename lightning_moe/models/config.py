@@ -232,6 +232,9 @@ class ModelConfig:
     init_std: float = 0.02
     # tokens per chunk of the fused output-layer cross entropy
     loss_chunk_size: int = 512
+    # Transformer Engine te.Linear / te.RMSNorm for the dense layers' linears and norms (layers/te.py;
+    # pip install .[te], NVIDIA GPUs); the attention kernel is chosen apart, attention.backend: te
+    te_modules: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -23,6 +23,7 @@ from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import MultiTokenPrediction
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.te import use_te_modules
 from lightning_moe.models.seeded_init import seeded_init
 
 
@@ -110,6 +111,8 @@ class Decoder(nn.Module):
         self.mtp = None
         if config.mtp is not None and config.mtp.num_layers > 0:
             self.mtp = MultiTokenPrediction(config, build_blocks)
+        if config.te_modules:
+            use_te_modules(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

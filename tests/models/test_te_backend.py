@@ -36,8 +36,14 @@ def test_te_without_transformer_engine_is_a_clear_error(attention):
 @pytest.mark.skipif(HAS_TE, reason="Transformer Engine is installed here")
 def test_te_modules_without_transformer_engine_is_a_clear_error():
     model = Decoder(config(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8)))
-    with pytest.raises(ValueError, match="Transformer Engine linear / RMSNorm layers needs Transformer Engine"):
+    message = r"te_modules: true \(Transformer Engine linear / RMSNorm layers\) needs Transformer Engine.*pip install"
+    with pytest.raises(ValueError, match=message):
         use_te_modules(model)
+    # the config key, as a recipe's model section sets it, on the meta device as the strategy builds models
+    cfg = ModelConfig.from_dict({**config(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8)).to_dict(),
+                                 "te_modules": True})
+    with pytest.raises(ValueError, match=message), torch.device("meta"):
+        Decoder(cfg)
 
 
 @pytest.mark.skipif(not (HAS_TE and torch.cuda.is_available()), reason="needs Transformer Engine and a GPU")
@@ -48,3 +54,26 @@ def test_te_attention_on_packed_rows_equals_sdpa():
     got = attend(q, k, v, layout, backend="te", scale=0.125)
     expected = attend(q, k, v, layout, backend="sdpa", scale=0.125)
     assert (got.float() - expected.float()).abs().max() < 2e-2
+
+
+@pytest.mark.skipif(not (HAS_TE and torch.cuda.is_available()), reason="needs Transformer Engine and a GPU")
+def test_te_modules_key_built_on_meta_keeps_the_package_init_and_loss():
+    """``te_modules: true`` on the meta device, materialized and initialized as the strategy does: the same
+    weights under the same names as the default modules, TE layers in place, and the same loss (bf16)."""
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    models = {}
+    for te_modules in (False, True):
+        cfg = ModelConfig.from_dict({**config(AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8)).to_dict(),
+                                     "te_modules": te_modules})
+        with torch.device("meta"):
+            model = Decoder(cfg)
+        model.to_empty(device="cuda")
+        model.init_weights(seed=0)
+        models[te_modules] = model.to(torch.bfloat16)
+    assert "transformer_engine" in type(models[True].layers["0"].attn.q_proj).__module__
+    default, te = (dict(m.named_parameters()) for m in (models[False], models[True]))
+    assert default.keys() == te.keys()
+    for name in default:
+        torch.testing.assert_close(te[name], default[name], msg=name)
+    losses = [m(ids, labels=ids).loss_sum.float() for m in (models[False], models[True])]
+    assert abs(losses[1] - losses[0]) <= 2e-2 * abs(losses[0])

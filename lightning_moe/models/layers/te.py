@@ -3,11 +3,13 @@
 ``attention: te`` runs TE's ``DotProductAttention`` on packed rows in its ``thd`` layout with the layout's
 ``cu_seqlens`` (no token attends across a packed boundary, as with every backend). :func:`use_te_modules` swaps
 the dense layers' ``nn.Linear`` and :class:`RMSNorm` for TE's, keeping parameter names, shapes and math (TE's
-RMSNorm without zero-centred gamma), so checkpoints load unchanged. Chosen without TE installed: a clear error.
+RMSNorm, zero-centred gamma for 1 + w norms), so checkpoints load unchanged; ``ModelConfig.te_modules: true``
+applies it when the model is built. Chosen without TE installed: a clear error.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -51,23 +53,55 @@ def te_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scal
     return out.view(batch, seq, heads, v_dim).transpose(1, 2)
 
 
+@functools.cache
+def _package_contract(te) -> tuple[type, type]:
+    """TE's Linear and RMSNorm with the package's ``reset_parameters(init_std)`` call (``Decoder.init_weights``
+    after meta-device construction): TE's own setup runs, the values stay the package's (a linear keeps what
+    the block that owns it drew, as nn.Linear does; a norm gets ones, or zeros for a 1 + w norm). TE's own
+    calls, ``reset_parameters(defer_init=...)``, pass through unchanged."""
+
+    def te_call(init_std) -> bool:
+        return init_std is None or isinstance(init_std, bool)  # defer_init, by keyword or by position
+
+    class Linear(te.Linear):
+        def reset_parameters(self, init_std=None, **kwargs):
+            if te_call(init_std):
+                return super().reset_parameters(*([] if init_std is None else [init_std]), **kwargs)
+            values = {name: p.detach().clone() for name, p in self.named_parameters(recurse=False)}
+            super().reset_parameters()
+            with torch.no_grad():
+                for name, value in values.items():
+                    getattr(self, name).copy_(value)
+
+    class RMSNorm(te.RMSNorm):
+        def reset_parameters(self, init_std=None, **kwargs):
+            if te_call(init_std):
+                return super().reset_parameters(*([] if init_std is None else [init_std]), **kwargs)
+            super().reset_parameters()  # ones, or zeros with zero-centred gamma
+
+    return Linear, RMSNorm
+
+
 def use_te_modules(model: nn.Module, dense_only: bool = True) -> list[str]:
     """Replace ``nn.Linear`` and the package's RMSNorm with TE's, in place (weights moved over, names kept).
-    ``dense_only``: leave MoE experts, routers and Mamba mixers alone. Returns the replaced modules' names."""
-    te = require_transformer_engine("Transformer Engine linear / RMSNorm layers")
+    ``dense_only``: leave MoE experts, routers and Mamba mixers alone. Returns the replaced modules' names.
+    ``ModelConfig.te_modules: true`` does this when the Decoder is built."""
+    te = require_transformer_engine("model te_modules: true (Transformer Engine linear / RMSNorm layers)")
     from lightning_moe.models.layers.norm import RMSNorm
 
+    te_linear, te_norm = _package_contract(te)
     replaced = []
     for name, module in list(model.named_modules()):
         parts = name.split(".")
         if "lm_head" in parts or dense_only and any(p in parts for p in ("moe", "mamba", "experts", "router")):
             continue  # the output layer's weight feeds the chunked loss directly
         if isinstance(module, nn.Linear) and type(module) is nn.Linear:
-            new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+            new = te_linear(module.in_features, module.out_features, bias=module.bias is not None,
                             params_dtype=module.weight.dtype, device=module.weight.device)
         elif isinstance(module, RMSNorm) and not module.weight_fp32:
-            new = te.RMSNorm(module.weight.numel(), eps=module.eps, params_dtype=module.weight.dtype,
-                             device=module.weight.device)
+            # a 1 + w norm (Qwen3-Next) is TE's zero-centred gamma
+            new = te_norm(module.weight.numel(), eps=module.eps, zero_centered_gamma=module.offset,
+                          params_dtype=module.weight.dtype, device=module.weight.device)
         else:
             continue
         if module.weight.device.type != "meta":  # on meta (before materialization) there is nothing to move
