@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 
-def require_transformer_engine(what: str):
-    """``transformer_engine.pytorch``, or a clear error naming what needed it."""
+def require_transformer_engine(what: str, instead: str = "use attention backend sdpa or flex"):
+    """``transformer_engine.pytorch``, or a clear error naming what needed it (and what to choose instead)."""
     if importlib.util.find_spec("transformer_engine") is None:
         raise ValueError(f"{what} needs Transformer Engine, which is not installed: pip install '.[te]' "
-                         f"(transformer-engine[pytorch], NVIDIA GPUs only), or use attention backend sdpa or flex")
+                         f"(transformer-engine[pytorch], NVIDIA GPUs only), or {instead}")
     import transformer_engine.pytorch as te
 
     return te
@@ -86,7 +86,8 @@ def use_te_modules(model: nn.Module, dense_only: bool = True) -> list[str]:
     """Replace ``nn.Linear`` and the package's RMSNorm with TE's, in place (weights moved over, names kept).
     ``dense_only``: leave MoE experts, routers and Mamba mixers alone. Returns the replaced modules' names.
     ``ModelConfig.te_modules: true`` does this when the Decoder is built."""
-    te = require_transformer_engine("model te_modules: true (Transformer Engine linear / RMSNorm layers)")
+    te = require_transformer_engine("model te_modules: true (Transformer Engine linear / RMSNorm layers)",
+                                    instead="set te_modules: false (torch's layers)")
     from lightning_moe.models.layers.norm import RMSNorm
 
     te_linear, te_norm = _package_contract(te)
