@@ -122,10 +122,16 @@ def test_packed_row_equals_its_sequences_alone():
         start += n
 
 
-def test_fp32_under_autocast():
-    q, k, v, g, beta = (t.float() for t in inputs(False))
-    want = chunk_gated_delta_rule(q, k, v, g, beta, 16)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_fp32_under_autocast(per_channel):
+    """Forward and backward (also when backward itself runs under autocast) stay fp32."""
+    leaves = [t.float().requires_grad_() for t in inputs(per_channel)]
+    want = chunk_gated_delta_rule(*leaves, 16)
+    want_grads = torch.autograd.grad(want.square().sum(), leaves)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = chunk_gated_delta_rule(q, k, v, g, beta, 16)
+        got = chunk_gated_delta_rule(*leaves, 16)
+        grads = torch.autograd.grad(got.square().sum(), leaves)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)
+    for mine, ref in zip(grads, want_grads):
+        torch.testing.assert_close(mine, ref)

@@ -240,13 +240,16 @@ class _HeadDecayDeltaRule(torch.autograd.Function):
         span, length = ctx.span, q.shape[1]
         grads: list[list[torch.Tensor]] = [[] for _ in range(5)]
         grad_state = None
-        for index in reversed(range(len(states))):
-            start = index * span
-            rows = [t[:, start:start + span] for t in (q, k, v, g, beta)]
-            parts = _head_decay_chunks(*rows, C=ctx.chunk_size, **_group(ctx.seq_idx, start, span, length, False))
-            found, grad_state = _head_decay_backward(parts, states[index], grad[:, start:start + span], grad_state)
-            for i, t in enumerate(found):
-                grads[i].append(t)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 matmuls also when backward runs under autocast
+            for index in reversed(range(len(states))):
+                start = index * span
+                rows = [t[:, start:start + span] for t in (q, k, v, g, beta)]
+                parts = _head_decay_chunks(*rows, C=ctx.chunk_size,
+                                           **_group(ctx.seq_idx, start, span, length, False))
+                found, grad_state = _head_decay_backward(parts, states[index],
+                                                         grad[:, start:start + span].to(q.dtype), grad_state)
+                for i, t in enumerate(found):
+                    grads[i].append(t)
         return (*(torch.cat(parts[::-1], dim=1) for parts in grads), None, None, None)
 
 
