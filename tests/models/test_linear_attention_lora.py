@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from lora_steps import train_adapters
 
 from lightning_moe.checkpoint.load import load_pretrained
 from lightning_moe.peft import LoraConfig, apply_lora, export_hf_adapter
@@ -38,17 +39,6 @@ def lora_model(base, lora: LoraConfig):
     model = load_pretrained(base)
     apply_lora(model, lora)
     return model
-
-
-def train_adapters(model, steps: int = 3) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
-        out = model(ids, labels=torch.roll(ids, -1, 1))
-        (out.loss_sum / out.num_label_tokens).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def peft_all_linear(base) -> set[str]:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from lora_steps import train_adapters
 from tiny_hf import save_tiny
 
 from lightning_moe.checkpoint.load import copy_tensors_into
@@ -41,17 +42,6 @@ def lora_from_hf(base_dir, lora: LoraConfig, config=None) -> Decoder:
     torch.manual_seed(0)
     reset_lora_parameters(model)
     return model
-
-
-def train_adapters(model: Decoder, steps: int = 3) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
-        out = model(ids, labels=torch.roll(ids, -1, 1))
-        (out.loss_sum / out.num_label_tokens).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def trained_and_exported(family: str, root):
