@@ -35,10 +35,15 @@ FAMILIES = ["llama", "llama_tied_bias", "qwen2", "qwen3", "qwen3_moe", "mixtral"
 
 def build_tiny(family: str, seed: int = 0):
     """A random transformers model with weights large enough that routing and logits are not degenerate."""
+    return random_model(tiny_config(family), seed)
+
+
+def random_model(config, seed: int = 0):
+    """The causal LM of ``config`` initialized as :func:`build_tiny`'s."""
     import transformers as t
 
     torch.manual_seed(seed)
-    model = t.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    model = t.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1)

@@ -260,7 +260,9 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
     materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
     dims, options = strategy.parallel_dims, strategy.pipeline_options
-    check_pipeline_model(config, dims, options["pp_schedule"])
+    parallel = strategy._parallelize_options
+    check_pipeline_model(config, dims, options["pp_schedule"], sharded=dims.fsdp_enabled or parallel[
+        "param_dtype"] is not None or parallel["cpu_offload"])
     with torch.device("meta"):
         decoder = Decoder(config)
     apply_converters(decoder, fp8, peft, freeze)
@@ -269,9 +271,15 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
     if schedule in SPLIT_BACKWARD:
         decoder.output_layer.repeatable_backward = True
+        if parallel["compile"]:
+            # the weight-gradient pass runs the compiled blocks' backward a second time: AOTAutograd must not
+            # donate (reuse) the saved buffers in the first
+            torch._functorch.config.donated_buffer = False
     model = PipelinedDecoder(decoder, specs, local, mtp_scale)
     for stage in model.stages:
         strategy.parallelize(stage)
+        if dims.cp > 1:
+            stage.context_parallel_group = dims.mesh("cp").get_group()
     device = strategy.root_device
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
@@ -280,7 +288,9 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
         if peft is not None:
             reset_lora_parameters(model)
     if source is not None:
-        names = set(model.state_dict())
+        # this rank's stages' tensors, under the checkpoint's names (a LoRA-wrapped layer's own weight is
+        # ``base_layer.weight`` in the model, plain ``weight`` in checkpoints)
+        names = {name.replace(".base_layer.", ".") for name in model.state_dict()}
         copy_tensors_into(model, ((name, t) for name, t in source.iter_native() if name in names))
     if peft is not None and peft.adapter_path is not None:
         raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
@@ -333,14 +343,15 @@ def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=Non
     return model, runner
 
 
-def check_pipeline_model(config, dims, schedule: str) -> None:
-    """What the pipeline does not split yet, refused before any model is built."""
-    if config.tie_embeddings and schedule in V_SHAPED:
-        raise ValueError(f"pp_schedule={schedule!r} with tie_embeddings=True: the first and last stages share a rank "
-                         f"and their embedding would be sharded twice; use 1f1b or interleaved_1f1b")
-    if dims.cp > 1 and config.mtp is not None and config.mtp.num_layers:
-        raise ValueError(f"pp={dims.pp} with cp={dims.cp} and MTP depths is not supported (the depths read tokens "
-                         f"of the whole row); use cp=1")
+def check_pipeline_model(config, dims, schedule: str, sharded: bool = True) -> None:
+    """What the pipeline does not split yet, refused before any model is built. ``sharded``: FSDP applies (data
+    parallelism, or a mixed-precision/offload policy)."""
+    if config.tie_embeddings and schedule in V_SHAPED and (sharded or dims.tp > 1):
+        # without FSDP or TP both stages simply hold the one embedding module, whose gradient sums both uses
+        raise ValueError(f"pp_schedule={schedule!r} with tie_embeddings=True and "
+                         f"{'FSDP' if sharded else f'tp={dims.tp}'}: the first and last stages share a rank and "
+                         f"their embedding would be sharded twice; use 1f1b or interleaved_1f1b, or no data/tensor "
+                         f"parallelism within the stages")
 
 
 def _shard(module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

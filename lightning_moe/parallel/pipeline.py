@@ -32,6 +32,7 @@ from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, patte
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import shift_left
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.parallel.context import ContextParallelRow
 
 # name -> torch.distributed.pipelining schedule class name
 SCHEDULES = {
@@ -285,6 +286,9 @@ class StageModule(nn.Module):
         self.output_layer = decoder.output_layer if spec.output else None
         self.mtp = decoder.mtp if spec.output else None
         self.sums: list[dict[str, torch.Tensor]] = []
+        # under context parallelism: the group the row's chunks are spread over (the tokens ahead that MTP reads
+        # come from the whole row)
+        self.context_parallel_group = None
         # torch's stage infers the shapes it sends by one forward of its own before the first step (on empty
         # tensors past the first stage): that forward must leave no loss sums and no expert token counts
         self.metadata_pass_pending = False
@@ -305,6 +309,7 @@ class StageModule(nn.Module):
         if not self.metadata_pass_pending:
             return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids)
         self.metadata_pass_pending = False
+        inputs = metadata_pass_inputs(inputs, self.spec.embedding)
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers()]
         try:
             return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids)
@@ -316,10 +321,13 @@ class StageModule(nn.Module):
     def _forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
                  position_ids: torch.Tensor | None):
         layout = SequenceLayout.from_inputs(token_ids, position_ids)
+        if self.context_parallel_group is not None and layout.context_parallel is None:
+            # what the first attention block would attach; the MTP ids and depths need it on every stage
+            layout.context_parallel = ContextParallelRow(layout.position_ids, self.context_parallel_group)
         if self.spec.embedding:
             (ids,) = inputs
             hidden = self.embed(ids)
-            ahead = [self.embed(shift_left(ids, d, 0)) for d in range(1, self._mtp_depths() + 1)]
+            ahead = [self.embed(_ids_ahead(ids, layout, d)) for d in range(1, self._mtp_depths() + 1)]
         else:
             hidden, *ahead = inputs
         for block in self.layers.values():
@@ -353,6 +361,32 @@ class StageModule(nn.Module):
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
         return Decoder._collect_aux_loss(self)  # this stage's MoE layers (moe_layers), as the whole decoder's
+
+
+def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
+    """Past the first stage torch's shape-inference forward passes uninitialized tensors (``torch.empty``): they
+    are replaced by fixed random values, so that nothing in that pass (a compiled block's first-use check against
+    eager, ``kernels/compiled_blocks.py``) computes on garbage such as inf or NaN. The values stay a function of
+    the tensors passed (``where``, gradient zero), as torch differentiates the pass's outputs by them."""
+    if first:
+        return inputs
+    generator = torch.Generator(device=inputs[0].device).manual_seed(0)
+    replaced = []
+    for t in inputs:
+        if t.is_floating_point():
+            noise = torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+            t = torch.where(torch.ones_like(t, dtype=torch.bool), noise, t)
+        replaced.append(t)
+    return tuple(replaced)
+
+
+def _ids_ahead(ids: torch.Tensor, layout: SequenceLayout, depth: int) -> torch.Tensor:
+    """The token ``depth`` places ahead of each of this rank's tokens, as the MTP depths read it (under context
+    parallelism from the whole row, then this rank's positions kept: ``MTP.forward``)."""
+    row = layout.context_parallel
+    if row is None:
+        return shift_left(ids, depth, 0)
+    return shift_left(row.full_row(ids), depth, 0)[:, row.query_index]
 
 
 class PipelinedDecoder(nn.Module):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.hf import HFModel
-from lightning_moe.parallel.pipeline import StageSpec, balanced_split, parse_layout
+from lightning_moe.parallel.pipeline import StageSpec, balanced_split, metadata_pass_inputs, parse_layout
 
 
 def decoder_parts(hf_model: nn.Module) -> nn.Module:
@@ -164,6 +164,8 @@ class HFStage(HFModel):
     def forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None):
         pending, self.metadata_pass_pending = self.metadata_pass_pending, False
+        if pending:
+            inputs = metadata_pass_inputs(inputs, self.spec.embedding)
         try:
             return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids)
         finally:

@@ -25,7 +25,9 @@ from lightning_moe.precision import Float8Config
 GLOBAL_ROWS, MICRO_ROWS, SEQ, STEPS = 8, 2, 16, 6
 # model names of the cases beyond parallel_cases.tiny_config's: (architecture, training module options)
 VARIANTS = {"llama_lora": ("llama", {"peft": LoraConfig(r=4)}),
-            "llama_fp8": ("llama", {"fp8": Float8Config(recipe="tensorwise", min_dim=16)})}
+            "llama_fp8": ("llama", {"fp8": Float8Config(recipe="tensorwise", min_dim=16)}),
+            # a reference of its own: compiled by inductor on one process too (its kernels, not eager's numbers)
+            "llama_inductor": ("llama", {})}
 LOSS_TOLERANCE, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-5
 
 
@@ -77,6 +79,8 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
         gradient_clip_val=0.5, callbacks=callbacks,
     )
     architecture, options = VARIANTS.get(model, (model, {}))
+    if model.startswith("lora+"):
+        architecture, options = model.removeprefix("lora+"), {"peft": LoraConfig(r=4)}
     module = module_class(model=model_config(architecture), optimizer=OptimizerConfig(lr=3e-3),
                           scheduler=SchedulerConfig(warmup_iters=2), seed=11, **options)
     data = MockDataModule(seq_length=SEQ, micro_batch_size=MICRO_ROWS, global_batch_size=GLOBAL_ROWS,
@@ -93,11 +97,20 @@ def fit(model: str, sizes: dict, root: Path, steps: int = STEPS, devices: int | 
 
 
 def model_config(name: str):
-    """``hf:<directory>``: that transformers model on the generic path (``native: never``); else
-    ``parallel_cases.tiny_config``'s native model."""
+    """``hf:<directory>``: that transformers model on the generic path (``native: never``); ``hfnative:<directory>``:
+    its native family's decoder from that checkpoint; else ``parallel_cases.tiny_config``'s native model (a
+    ``lora+`` prefix, see :func:`fit`, adds LoRA adapters)."""
     if name.startswith("hf:"):
         return HFModelConfig(hf=name[3:], native="never")
+    if name.startswith("hfnative:"):
+        return HFModelConfig(hf=name.removeprefix("hfnative:"))
     return tiny_config(name)
+
+
+def run_name(model: str) -> str:
+    """A directory name for ``model``'s runs (the kind and the model directory's name for checkpoint models)."""
+    kind, _, directory = model.partition(":")
+    return f"{kind}_{Path(directory).name}" if directory else model
 
 
 def save_hf_models(directory: Path, *families: str) -> dict[str, str]:
@@ -105,7 +118,7 @@ def save_hf_models(directory: Path, *families: str) -> dict[str, str]:
     attends through a sliding window of 4, so the second stage must pick the mask of its own layer) saved under
     ``directory``: family -> model name."""
     import transformers
-    from tiny_hf import COMMON, save_tiny
+    from tiny_hf import COMMON, random_model, save_tiny
 
     names = {}
     for family in families:
@@ -114,12 +127,7 @@ def save_hf_models(directory: Path, *families: str) -> dict[str, str]:
             config = transformers.Qwen3Config(**COMMON, intermediate_size=96, head_dim=32, use_sliding_window=True,
                                               sliding_window=4, max_window_layers=1)
             assert config.layer_types == ["full_attention", "sliding_attention"], config.layer_types
-            torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(config)
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.normal_(0.0, 0.1)
-            model.save_pretrained(path)
+            random_model(config).save_pretrained(path)
         else:
             save_tiny(family, path)
         names[family] = f"hf:{path}"
@@ -186,8 +194,28 @@ class IgnoredActivations(GradProbe):
         super().teardown(stage)
 
 
+class LocalTokensAhead(GradProbe):
+    """A broken pipeline under context parallelism: the first stage shifts its own chunks for the tokens ahead that
+    MTP reads, not the whole row (wrong at every chunk boundary)."""
+
+    def configure_model(self):
+        from lightning_moe.models.layers.mtp import shift_left
+        from lightning_moe.parallel import pipeline
+
+        super().configure_model()
+        self._ids_ahead = pipeline._ids_ahead
+        pipeline._ids_ahead = lambda ids, layout, depth: shift_left(ids, depth, 0)
+
+    def teardown(self, stage):
+        from lightning_moe.parallel import pipeline
+
+        if hasattr(self, "_ids_ahead"):
+            pipeline._ids_ahead = self._ids_ahead
+        super().teardown(stage)
+
+
 BROKEN = {"swapped_blocks": SwappedBlocks, "dropped_micro_batch": DroppedMicroBatch,
-          "ignored_activations": IgnoredActivations}
+          "ignored_activations": IgnoredActivations, "local_tokens_ahead": LocalTokensAhead}
 
 
 def check_resume(directory: Path, reference: dict) -> list[str]:
@@ -219,15 +247,24 @@ def check_resume(directory: Path, reference: dict) -> list[str]:
 
 
 def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str, dict]],
-                    broken: list[tuple[str, str, dict]] = (), resume: bool = False) -> None:
+                    broken: list[tuple[str, str, dict]] = (), resume: bool = False,
+                    checkpointed: tuple[str, ...] = ()) -> None:
     """Every ``(case, model, sizes)`` trains like one process; every ``broken`` one (a name of :data:`BROKEN`)
-    does not (two steps are enough to see it); with ``resume``, :func:`check_resume` too."""
+    does not (two steps are enough to see it); with ``resume``, :func:`check_resume` too. The cases named in
+    ``checkpointed`` save their last step's checkpoint (under ``<directory>/<case>/ckpt``)."""
     problems = check_resume(Path(directory), references["llama"]) if resume else []
     for case, model, sizes in cases:
-        run = fit(model, sizes, Path(directory) / case)
+        if sizes.get("compile"):  # this case's compiled code and first-use verdicts only
+            from lightning_moe.kernels.checks import reset_kernel_checks
+
+            torch._dynamo.reset()
+            reset_kernel_checks()
+        run = fit(model, sizes, Path(directory) / case, checkpoint_every=STEPS if case in checkpointed else None)
         problems += compare(case, references[model], run)
-        if model in VARIANTS and not run["converted_layers"]:
+        if (VARIANTS.get(model, (None, {}))[1] or model.startswith("lora+")) and not run["converted_layers"]:
             problems.append(f"{case}: no FP8 or LoRA layer in this rank's stages")
+        if sizes.get("compile"):
+            problems += compiled_blocks_problems(case)
     for case, model, sizes in broken:
         reference = {**references[model], "steps": references[model]["steps"][:2]}
         run = fit(model, sizes, Path(directory) / case, steps=2, module_class=BROKEN[case])
@@ -236,6 +273,16 @@ def check_pipelines(directory: str, references: dict, cases: list[tuple[str, str
     problems += check_too_few_micro_batches(Path(directory) / "too_few")
     if problems:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(problems))
+
+
+def compiled_blocks_problems(case: str) -> list[str]:
+    """The compiled blocks passed their first-use check against eager and served the run (no eager fallback)."""
+    from lightning_moe.kernels.checks import kernel_checks
+
+    checks = [c for c in kernel_checks() if c["kernel"] == "compiled block"]
+    if not checks or any(c["used"] != "compiled" for c in checks):
+        return [f"{case}: the compiled blocks did not serve the run: {checks}"]
+    return []
 
 
 def check_too_few_micro_batches(root: Path) -> list[str]:

@@ -30,15 +30,17 @@ pytestmark = pytest.mark.distributed
 
 
 def references(tmp_path, *models, checkpoint_every=None):
-    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{Path(model).name}", devices=1,
+    return {model: pipeline_cases.fit(model, None, tmp_path / f"reference_{pipeline_cases.run_name(model)}", devices=1,
                                       checkpoint_every=checkpoint_every) for model in models}
 
 
 def test_two_rank_pipelines_train_like_one_process(tmp_path):
     """Also: the 1F1B run checkpointed at step 3 resumes exactly with pp=2 and with pp=1 (see
     ``pipeline_cases.check_resume``), and its step-6 checkpoint exports the Hugging Face directory of the
-    one-process run's. Transformers models on the generic path are split into stages too; one whose later stage
-    ignores the activations it receives fails."""
+    one-process run's, and so do the PEFT adapter and merged exports of LoRA runs on a checkpoint (native decoder
+    and generic path). Transformers models on the generic path are split into stages too; one whose later stage
+    ignores the activations it receives fails. Compiled cases check that the compiled blocks, not the eager
+    fallback, ran."""
     cases = [
         ("dense_interleaved", "llama", {"pp": 2, "vp": 2}),
         ("dense_1f1b_compiled_checkpointed", "llama",
@@ -47,38 +49,72 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
         ("dense_fp8_1f1b", "llama_fp8", {"pp": 2}),
         ("tied_embeddings_1f1b", "gpt_oss_like", {"pp": 2}),
         ("dense_zbv", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
+        ("dense_zbv_compiled", "llama", {"pp": 2, "vp": 2, "pp_schedule": "zbv", "compile": True,
+                                         "compile_backend": "aot_eager"}),
+        # the V puts the first and the last stage on rank 0: both use the one embedding module
+        ("tied_embeddings_zbv", "gpt_oss_like", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
     ]
     # the generic transformers path (native: never): Llama, Qwen3 with a sliding-window second layer, Qwen3-MoE
     hf = pipeline_cases.save_hf_models(tmp_path, "llama", "qwen3_sliding", "qwen3_moe")
     cases += [(f"hf_{family}_1f1b", name, {"pp": 2}) for family, name in hf.items()]
+    # inductor's C++ code for the blocks (it passed its first-use check against eager on both ranks), against one
+    # process compiled the same way
+    inductor = {"compile": True, "compile_backend": "inductor"}
+    cases.append(("dense_1f1b_inductor", "llama_inductor", {"pp": 2, **inductor}))
+    # LoRA on a Hugging Face checkpoint, native decoder and generic path: their runs' adapter exports are compared
+    lora = {"native": "lora+hfnative:" + hf["llama"][3:], "generic": "lora+" + hf["llama"]}
+    cases += [(f"lora_{kind}_1f1b", name, {"pp": 2}) for kind, name in lora.items()]
     broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2}),
               ("ignored_activations", hf["llama"], {"pp": 2})]
-    expected = references(tmp_path, "llama", "deepseek_like", checkpoint_every=pipeline_cases.STEPS)
+    expected = references(tmp_path, "llama", "deepseek_like", *lora.values(), checkpoint_every=pipeline_cases.STEPS)
     expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like", *hf.values()))
+    expected["llama_inductor"] = pipeline_cases.fit("llama_inductor", inductor, tmp_path / "reference_inductor",
+                                                    devices=1)
     run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path), expected, cases, broken, True,
-                         init_process_group=False)
-    check_same_export(next((tmp_path / "pp2" / "ckpt").glob("*step=6.ckpt")),
-                      next((tmp_path / "reference_llama" / "ckpt").glob("*step=6.ckpt")), tmp_path)
+                         tuple(f"lora_{kind}_1f1b" for kind in lora), init_process_group=False)
+    step = f"*step={pipeline_cases.STEPS}.ckpt"
+    check_same_export(next((tmp_path / "pp2" / "ckpt").glob(step)),
+                      next((tmp_path / "reference_llama" / "ckpt").glob(step)), tmp_path)
+    for kind, name in lora.items():  # the PEFT adapter and the merged model
+        check_same_export(next((tmp_path / f"lora_{kind}_1f1b" / "ckpt").glob(step)),
+                          next((tmp_path / f"reference_{pipeline_cases.run_name(name)}" / "ckpt").glob(step)),
+                          tmp_path / f"export_lora_{kind}", lora=True)
 
 
-def check_same_export(pipelined, unpipelined, tmp_path):
-    """``convert export`` of a pipelined run writes what the one-process run's export writes (the same files,
-    config and tensor names, shapes and dtypes; values equal to fp32 reduction-order noise)."""
+def check_same_export(pipelined, unpipelined, tmp_path, lora: bool = False):
+    """``convert export`` (``export-lora`` with ``lora``: the PEFT adapter and the merged model) of a pipelined run
+    writes what the one-process run's export writes (the same files, configs and tensor names, shapes and dtypes;
+    values equal to fp32 reduction-order noise)."""
+    from lightning_moe.checkpoint.commands import main as convert_main
+
+    outs = {}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name, checkpoint in (("pipelined", pipelined), ("unpipelined", unpipelined)):
+        if lora:
+            outs[name] = [tmp_path / f"adapter_{name}", tmp_path / f"merged_{name}"]
+            args = ["export-lora", "--ckpt", str(checkpoint), "--adapter-out", str(outs[name][0]),
+                    "--merged-out", str(outs[name][1])]
+        else:
+            outs[name] = [tmp_path / f"export_{name}"]
+            args = ["export", "--ckpt", str(checkpoint), "--out", str(outs[name][0])]
+        assert convert_main(args) == 0
+    for got, expected in zip(outs["pipelined"], outs["unpipelined"]):
+        check_same_directory(got, expected)
+
+
+def check_same_directory(got_dir, expected_dir):
     import json
 
     from safetensors.torch import load_file
 
-    from lightning_moe.checkpoint.commands import main as convert_main
-
-    outs = []
-    for name, checkpoint in (("pipelined", pipelined), ("unpipelined", unpipelined)):
-        outs.append(tmp_path / f"export_{name}")
-        assert convert_main(["export", "--ckpt", str(checkpoint), "--out", str(outs[-1])]) == 0
+    outs = [got_dir, expected_dir]
     files = [sorted(p.name for p in out.iterdir()) for out in outs]
     assert files[0] == files[1], files
-    assert json.loads((outs[0] / "config.json").read_text()) == json.loads((outs[1] / "config.json").read_text())
+    assert any(f.endswith(".safetensors") for f in files[0]), files
+    for config in [f for f in files[0] if f.endswith("config.json")]:
+        assert json.loads((outs[0] / config).read_text()) == json.loads((outs[1] / config).read_text()), config
     for weights in [f for f in files[0] if f.endswith(".safetensors")]:
         got, expected = load_file(outs[0] / weights), load_file(outs[1] / weights)
         assert sorted(got) == sorted(expected)
@@ -89,7 +125,9 @@ def check_same_export(pipelined, unpipelined, tmp_path):
 
 def test_four_rank_pipelines_with_fsdp_tensor_and_expert_parallelism(tmp_path):
     """Each stage split by tensor parallelism too (vocabulary-parallel loss on the last stage; with tied embeddings
-    the last stage's copy split like the first's); a tensor-parallel pipeline with its blocks out of order fails."""
+    the last stage's copy split like the first's), or by context parallelism with MTP (the tokens ahead taken from
+    the whole row); a tensor-parallel pipeline with its blocks out of order fails, and so does one whose first stage
+    shifts its own chunks for MTP. The generic transformers path under FSDP2 and EP."""
     cases = [
         ("pp2_fsdp2", "llama", {"pp": 2, "dp_shard": 2}),
         ("pp2_ep2", "deepseek_like", {"pp": 2, "ep": 2}),
@@ -97,11 +135,12 @@ def test_four_rank_pipelines_with_fsdp_tensor_and_expert_parallelism(tmp_path):
         ("pp2_tp2", "llama", {"pp": 2, "tp": 2}),
         ("pp2_tp2_ep2_mtp", "deepseek_like", {"pp": 2, "tp": 2, "ep": 2}),
         ("pp2_tp2_tied_embeddings", "gpt_oss_like", {"pp": 2, "tp": 2}),
+        ("pp2_cp2_mtp", "deepseek_like", {"pp": 2, "cp": 2}),
     ]
     hf = pipeline_cases.save_hf_models(tmp_path, "llama", "qwen3_moe")
     cases += [("hf_llama_pp2_fsdp2", hf["llama"], {"pp": 2, "dp_shard": 2}),
               ("hf_qwen3_moe_pp2_ep2", hf["qwen3_moe"], {"pp": 2, "ep": 2})]
-    broken = [("swapped_blocks", "llama", {"pp": 2, "tp": 2})]
+    broken = [("swapped_blocks", "llama", {"pp": 2, "tp": 2}), ("local_tokens_ahead", "deepseek_like", {"pp": 2, "cp": 2})]
     run_distributed_test(pipeline_cases.check_pipelines, 4, str(tmp_path),
                          references(tmp_path, "llama", "deepseek_like", "gpt_oss_like", *hf.values()), cases, broken,
                          init_process_group=False)
@@ -185,6 +224,14 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
+    from lightning_moe.modules.pipeline_step import check_pipeline_model
+
+    tied = tiny_config("gpt_oss_like")
+    check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=False)
+    with pytest.raises(ValueError, match="tie_embeddings=True and FSDP: the first and last stages share a rank"):
+        check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=True)
+    with pytest.raises(ValueError, match="tie_embeddings=True and tp=2"):
+        check_pipeline_model(tied, ParallelDims(pp=2, tp=2, world_size=4), "dualpipev", sharded=False)
 
 
 def test_generic_path_stages_views_and_refusals(tmp_path):
