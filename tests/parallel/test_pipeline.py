@@ -264,3 +264,19 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     moe.hf.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
         check_hf_pipeline(moe)
+    from types import SimpleNamespace
+
+    from lightning_moe.modules.pipeline_step import build_pipelined_hf_model
+
+    for schedule, vp, options, message in [
+        ("zbv", 2, {}, "zero-bubble schedules are built for native decoders only"),
+        ("1f1b", 1, {"activation_checkpointing": "full"}, "activation_checkpointing='full' / compile=False"),
+        ("1f1b", 1, {"compile": True}, "activation_checkpointing='none' / compile=True"),
+    ]:
+        strategy = SimpleNamespace(parallel_dims=ParallelDims(pp=2, world_size=2),
+                                   pipeline_options={"vp": vp, "pp_schedule": schedule, "pp_layout": None},
+                                   _parallelize_options={"activation_checkpointing": "none", "compile": False,
+                                                         **options})
+        with pytest.raises(ValueError, match=message):
+            build_pipelined_hf_model(HFModelConfig(hf=names["qwen3_moe"][3:], native="never"), strategy=strategy,
+                                     seed=0, task="causal-lm")
