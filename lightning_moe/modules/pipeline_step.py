@@ -318,13 +318,9 @@ def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=Non
     if dims.cp > 1:
         raise ValueError(f"pp={dims.pp} with cp={dims.cp} on the generic transformers path (model.hf) is not "
                          f"supported; use cp=1")
-    parallel = strategy._parallelize_options
-    if parallel["activation_checkpointing"] != "none" or parallel["compile"]:
-        # activation checkpointing of the stages' layers fails its recomputation check (a different number of
-        # saved tensors); compile is untested there
-        raise ValueError(f"pp={dims.pp} on the generic transformers path (model.hf) with activation_checkpointing="
-                         f"{parallel['activation_checkpointing']!r} / compile={parallel['compile']} is not supported; "
-                         f"use activation_checkpointing='none' and compile=False, or pp=1")
+    if strategy._parallelize_options["compile"]:
+        raise ValueError(f"pp={dims.pp} on the generic transformers path (model.hf) with compile=True is not "
+                         f"supported (untested); use compile=False, or pp=1")
     if dims.tp > 1:
         raise ValueError(f"pp={dims.pp} with tp={dims.tp} on the generic transformers path (model.hf) is not "
                          f"supported (its tensor-parallel plan names the whole model); use tp=1")

@@ -178,7 +178,9 @@ class HFStage(HFModel):
         if not self.spec.embedding:
             (hidden,) = inputs
             base.embed_tokens.hidden = hidden
-            handle = next(iter(base.layers)).register_forward_pre_hook(_replace_input(hidden), with_kwargs=True)
+            # ahead of other pre-hooks: activation checkpointing's keeps the inputs it recomputes from
+            handle = next(iter(base.layers)).register_forward_pre_hook(_replace_input(hidden), with_kwargs=True,
+                                                                        prepend=True)
         try:
             if not self.spec.output:
                 out = base(input_ids=token_ids, position_ids=position_ids, use_cache=False)
