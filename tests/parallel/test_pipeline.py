@@ -2,8 +2,10 @@
 with activation checkpointing inside, with LoRA, with emulated FP8, with tied embeddings), interleaved 1F1B and a zero-bubble schedule
 (ZBV) on a dense model and on an MoE + MTP model give the losses, gradient norms, validation losses and first-step
 gradients of one process; a pipeline with its blocks out of order or a micro-batch dropped does not; one
-micro-batch per step is refused before the first step; pipelines compose with FSDP and expert parallelism on 4
-ranks. The split, the layout syntax and the size checks are tested without processes."""
+micro-batch per step is refused before the first step; pipelines compose with FSDP, tensor, expert and context
+parallelism on 4 ranks; transformers models on the generic path are split into stages too (2 ranks; with FSDP
+and EP on 4). The split, the layout syntax, the generic path's stage views and the size checks are tested
+without processes."""
 
 from __future__ import annotations
 
