@@ -332,24 +332,24 @@ class CausalLM(L.LightningModule):
             for moe in self.model.modules():
                 if isinstance(moe, MoE):
                     moe.tokens_per_expert.zero_()
+            update_correction_biases(self.model, apply=False)
             return
         # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
         # all ranks that hold the same layers: tensor-parallel ranks route different sequence shards, and the
         # update only uses the sign
         update_expert_bias(self.model, getattr(self.trainer.strategy, "stage_group", None))
+        update_correction_biases(self.model, getattr(self.trainer.strategy, "stage_group", None))  # model.hf routers
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
             precompute_fsdp_float8_scales(self.model)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
         if self._pipeline is not None:
-            update_correction_biases(self.model, apply=False)
             for name, value in pipelined_eval_step(self, batch).items():
                 self._accumulate(self._eval_sums, name, value)
             return
         out, _ = self._loss_output(batch)
         self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
-        update_correction_biases(self.model, getattr(self.trainer.strategy, "stage_group", None))  # model.hf routers
         self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)
 
     def _log_eval(self, prefix: str) -> None:
