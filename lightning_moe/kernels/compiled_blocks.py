@@ -1,8 +1,8 @@
 """``torch.compile``'d blocks on CPU, run only where their first use matched the eager block.
 
 Inductor generates C++ for the CPU's vector ISA, and that code has been wrong on some CPUs (see ``flex.py``
-for one such kernel). A compiled block's first call per (block kind, device type, dtype, input shapes, grad
-mode) runs the block eagerly and compiled on the same inputs and compares the outputs and, when training,
+for one such kernel). A compiled block's first call per (block kind, compile backend, device type, dtype, input shapes,
+grad mode) runs the block eagerly and compiled on the same inputs and compares the outputs and, when training,
 the gradients of the inputs and of the block's parameters (``torch.autograd.grad``: nothing accumulates into
 ``.grad``; blocks sharded by FSDP compare outputs only, since a backward inside FSDP's forward reshards). A mismatch or a build failure keeps every block on that device type and dtype eager for the rest of
 the process, with one warning. GPU blocks are not checked: Triton code does not depend on the CPU.
@@ -31,9 +31,12 @@ def block_kind(block: nn.Module) -> str:
     return type(block).__name__
 
 
-def guard_compiled_block(block: nn.Module, eager_forward, compiled_forward):
-    """``block``'s forward: ``compiled_forward`` where it was checked against ``eager_forward`` on this machine."""
+def guard_compiled_block(block: nn.Module, eager_forward, compiled_forward, backend):
+    """``block``'s forward: ``compiled_forward`` (compiled by ``backend``, a name or a backend function) where it
+    was checked against ``eager_forward`` on this machine."""
     kind = block_kind(block)
+    # one backend's passed check says nothing of another's code (aot_eager generates none, inductor C++)
+    backend_name = f"backend={getattr(backend, '__name__', backend)}"
 
     @functools.wraps(eager_forward)
     def forward(*args, **kwargs):
@@ -48,7 +51,7 @@ def guard_compiled_block(block: nn.Module, eager_forward, compiled_forward):
         grad = torch.is_grad_enabled() and not _holds_fsdp_units(block)
         # the arguments' cached state (a layout's masks, filled by the first block of a forward) changes the
         # compiled code: blocks after the first run another variant, checked on its own
-        signature = (kind, *(f"{tuple(t.shape)}" for t in tensors), *_cached_state(args, kwargs),
+        signature = (kind, backend_name, *(f"{tuple(t.shape)}" for t in tensors), *_cached_state(args, kwargs),
                      "forward+backward" if grad else "forward")
         if is_checked(KERNEL, device, dtype, signature) or run_check(
             KERNEL, device, dtype, signature, FALLBACK,

@@ -60,7 +60,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", checkpoint_mode: 
             forward = _with_checkpoint(block.forward) if name in checkpointed else block.forward
             compiled = torch.compile(forward, backend=backend)
         # on CPU, the compiled block serves only after its first call matched the eager block on this machine
-        block.forward = guard_compiled_block(block, forward, compiled)
+        block.forward = guard_compiled_block(block, forward, compiled, backend)
         names.append(name)
     return names
 

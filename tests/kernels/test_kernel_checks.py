@@ -240,6 +240,22 @@ def test_a_right_compiled_block_is_checked_once_per_kind():
     assert set(verdicts[0]["errors"]) == {"out", "grad_inputs", "grad_params"}
 
 
+def test_another_compile_backend_is_checked_again():
+    """A block kind checked under one backend is checked afresh under another: the first backend's code (aot_eager
+    generates none) says nothing of the second's."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 16))
+    for backend in ("aot_eager", "eager"):
+        model = tiny_model()
+        apply_compile(model, backend, "none", 1)
+        model(ids, labels=ids).loss_sum.backward()
+    verdicts = kernel_checks()
+    assert [v["signature"].split(", ")[:2] for v in verdicts] == [
+        ["Block[*:Attention]", "backend=aot_eager"], ["Block[-:MLP]", "backend=aot_eager"],
+        ["Block[*:Attention]", "backend=eager"], ["Block[-:MLP]", "backend=eager"]]
+    assert all(v["status"] == "ok" for v in verdicts)
+
+
 def test_the_run_card_holds_the_verdicts(tmp_path, monkeypatch):
     monkeypatch.setattr(flex_kernels, "_compiled", wrong_backward_kernel)
     config = tiny_model().config
