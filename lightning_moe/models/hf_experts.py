@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.models.layers.moe import bias_update, summed_expert_loads
 
 LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
@@ -104,7 +107,7 @@ def track_expert_load(hf_model: nn.Module, rate: float) -> None:
 def _add_to_local(bias: torch.Tensor, delta: torch.Tensor) -> None:
     """``bias += delta`` where ``bias`` may be an FSDP-sharded DTensor (Laguna keeps its bias as a frozen
     parameter): each rank adds its own slice of the full ``delta``."""
-    if type(bias).__name__ != "DTensor":
+    if not isinstance(bias, DTensor):
         bias += delta.to(bias.dtype)
         return
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -117,20 +120,17 @@ def _add_to_local(bias: torch.Tensor, delta: torch.Tensor) -> None:
 
 @torch.no_grad()
 def update_correction_biases(model: nn.Module, process_group=None, apply: bool = True) -> None:
-    """After an optimizer step: ``bias += rate * sign(mean_load - load)`` for every tracked router (the native
-    ``update_expert_bias`` rule), from the token copies counted since the last update summed over
-    ``process_group`` (default: all ranks), so every rank applies the same update. ``apply=False`` (a skipped
-    step) drops the counts."""
+    """After an optimizer step: the native ``bias_update`` of every tracked router, from the token copies counted
+    since the last update summed over ``process_group`` (default: all ranks), so every rank applies the same
+    update. ``apply=False`` (a skipped step) drops the counts."""
     loads = [m._expert_load for m in model.modules() if isinstance(getattr(m, "_expert_load", None), ExpertLoad)]
     if not loads:
         return
     bias = getattr(loads[0].router, CORRECTION_BIAS)
-    device = bias.to_local().device if type(bias).__name__ == "DTensor" else bias.device
+    device = bias.to_local().device if isinstance(bias, DTensor) else bias.device
     counts = torch.stack([load.take(device) for load in loads])
     if not apply:
         return
-    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        torch.distributed.all_reduce(counts, group=process_group)
-    for load, count in zip(loads, counts):
+    for load, count in zip(loads, summed_expert_loads(counts, process_group)):
         if count.sum() > 0:
-            _add_to_local(getattr(load.router, CORRECTION_BIAS), load.rate * torch.sign(count.float().mean() - count))
+            _add_to_local(getattr(load.router, CORRECTION_BIAS), bias_update(count, load.rate))

@@ -269,20 +269,29 @@ class MoE(nn.Module):
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, process_group=None) -> None:
-    """After an optimizer step: ``bias += rate * sign(mean_load - load)`` for every aux-free MoE layer.
+def summed_expert_loads(counts: torch.Tensor, process_group=None) -> torch.Tensor:
+    """``[layers, experts]`` token counts summed over ``process_group`` (default: all ranks, when distributed), so
+    every rank applies the same bias update."""
+    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        torch.distributed.all_reduce(counts, group=process_group)
+    return counts
 
-    Token counts are summed over the data-parallel group first, so every rank applies the same update.
-    """
+
+def bias_update(load: torch.Tensor, rate: float) -> torch.Tensor:
+    """The aux-loss-free balancing step of one layer's expert biases: ``rate * sign(mean_load - load)``."""
+    return rate * torch.sign(load.float().mean() - load)
+
+
+def update_expert_bias(model: nn.Module, process_group=None) -> None:
+    """After an optimizer step: ``bias += rate * sign(mean_load - load)`` for every aux-free MoE layer, from the
+    token counts summed over ``process_group``."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.router.score_correction_bias is not None]
     if not layers:
         return
-    counts = torch.stack([m.tokens_per_expert for m in layers])
-    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        torch.distributed.all_reduce(counts, group=process_group)
+    counts = summed_expert_loads(torch.stack([m.tokens_per_expert for m in layers]), process_group)
     for layer, load in zip(layers, counts):
         rate = layer.cfg.bias_update_rate
         if rate > 0 and load.sum() > 0:
             bias = layer.router.score_correction_bias
-            bias += (rate * torch.sign(load.float().mean() - load)).to(bias.dtype)
+            bias += bias_update(load, rate).to(bias.dtype)
         layer.tokens_per_expert.zero_()
