@@ -60,6 +60,29 @@ class AllToAllDispatcher(TokenDispatcher):
         return super().combine(returned, routing, local_state, num_tokens)
 
 
+def shard_stacked_experts(experts: nn.Module, ep_mesh, total: int) -> None:
+    """Split every parameter of ``experts`` (and its children), each stacked over ``total`` experts along dim 0,
+    into ``Shard(0)`` DTensors over ``ep_mesh`` holding this rank's experts, then let the module compute with their
+    local tensors."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ranks, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for owner in list(experts.modules()):
+        for leaf, param in list(owner._parameters.items()):
+            if param is None:
+                continue
+            if param.shape[0] != total:
+                raise ValueError(
+                    f"ep={ranks}: parameter {leaf!r} of {type(owner).__name__} has leading size {param.shape[0]}, "
+                    f"not num_experts={total}; only per-expert stacked tensors can be split over ep"
+                )
+            local = param.detach().chunk(ranks)[rank]
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                         stride=param.stride())
+            owner._parameters[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+    use_local_parameters(experts)
+
+
 def apply_expert_parallel(
     model: nn.Module,
     ep_mesh,
@@ -67,26 +90,11 @@ def apply_expert_parallel(
 ) -> None:
     """Shard the experts of every MoE layer of ``model`` (meta device) over ``ep_mesh`` and swap in
     ``dispatcher(process_group, num_local_experts)``."""
-    from torch.distributed.tensor import DTensor, Shard
-
     ranks = ep_mesh.size()
     for moe in model.modules():
         if not isinstance(moe, MoE):
             continue
         experts = moe.experts
         total = experts.num_experts
-        for owner in list(experts.modules()):
-            for leaf, param in list(owner._parameters.items()):
-                if param is None:
-                    continue
-                if param.shape[0] != total:
-                    raise ValueError(
-                        f"expert parallelism: parameter {leaf!r} of the experts has leading size {param.shape[0]}, "
-                        f"not num_experts={total}; only per-expert stacked tensors can be split over ep"
-                    )
-                local = param.detach().chunk(ranks)[ep_mesh.get_local_rank()]
-                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
-                                             stride=param.stride())
-                owner._parameters[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        use_local_parameters(experts)
+        shard_stacked_experts(experts, ep_mesh, total)
         moe.dispatcher = dispatcher(ep_mesh.get_group(), total // ranks)

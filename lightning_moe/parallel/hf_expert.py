@@ -28,8 +28,7 @@ from torch import nn
 
 from lightning_moe.models.hf_experts import is_standardized_experts, standardized_experts
 from lightning_moe.models.layers.moe import Routing, TokenDispatcher, grouped_mm
-from lightning_moe.parallel.expert import AllToAllDispatcher
-from lightning_moe.parallel.local_params import use_local_parameters
+from lightning_moe.parallel.expert import AllToAllDispatcher, shard_stacked_experts
 
 # set on an experts module this file split, so FSDP puts it on the expert mesh (parallel/fsdp.py)
 SPLIT_MARK = "expert_parallel_split"
@@ -98,23 +97,11 @@ def apply_hf_expert_parallel(hf_model: nn.Module, ep_mesh,
                              dispatcher: Callable[[object, int], TokenDispatcher] = AllToAllDispatcher) -> None:
     """Split every standardized experts module of ``hf_model`` (meta device) over ``ep_mesh`` and route its
     tokens with ``dispatcher(process_group, num_local_experts)``."""
-    from torch.distributed.tensor import DTensor, Shard
-
     check_hf_expert_parallel(hf_model, ep_mesh.size())
-    ranks, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    ranks = ep_mesh.size()
     for _, experts in standardized_experts(hf_model):
         total = experts.num_experts
-        for leaf, param in list(experts._parameters.items()):
-            if param is None:
-                continue
-            if param.shape[0] != total:
-                raise ValueError(f"ep={ranks}: parameter {leaf!r} of {type(experts).__name__} has leading size "
-                                 f"{param.shape[0]}, not num_experts={total}; only stacked experts split over ep")
-            local = param.detach().chunk(ranks)[rank]
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
-                                         stride=param.stride())
-            experts._parameters[leaf] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        use_local_parameters(experts)
+        shard_stacked_experts(experts, ep_mesh, total)
         # an instance attribute: the class forward (transformers' implementation switch) stays for other models
         experts.forward = _expert_parallel_forward(experts, dispatcher(ep_mesh.get_group(), total // ranks), total)
         setattr(experts, SPLIT_MARK, True)
