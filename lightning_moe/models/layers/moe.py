@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.models.config import MoEConfig
 from lightning_moe.models.layers.mlp import MLP
@@ -145,6 +146,11 @@ class GroupedExperts(nn.Module):
                 nn.init.zeros_(bias)
 
     def _activate(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """The activation, recomputed in backward from ``gate`` and ``up``: autograd would also keep its factors
+        (``silu(gate)``) for each of the [tokens * top_k, intermediate] rows."""
+        return checkpoint(self._activation, gate, up, use_reentrant=False)
+
+    def _activation(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
             return F.silu(gate) * up
         if self.activation == "relu2":
@@ -182,9 +188,46 @@ class GroupedExperts(nn.Module):
                 return F.linear(inp, weight[e], None if bias is None else bias[e])
 
             gate = linear(self.gate_proj, self.gate_bias, rows) if self.gate_proj is not None else None
-            hidden = self._activate(gate, linear(self.up_proj, self.up_bias, rows))
+            hidden = self._activation(gate, linear(self.up_proj, self.up_bias, rows))
             outputs.append(linear(self.down_proj, self.down_bias, hidden))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
+class _CopyRows(torch.autograd.Function):
+    """``x[token_index]``: each token's ``k`` copies in expert order. Backward sums each token's copies by a
+    gather (``inverse``: the sorted position of every (token, slot)) in slot order, instead of autograd's
+    accumulating scatter: deterministic, and it keeps only the two index vectors."""
+
+    @staticmethod
+    def forward(ctx, x, token_index, inverse, top_k):
+        ctx.save_for_backward(token_index, inverse)
+        ctx.top_k = top_k
+        return x[token_index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        token_index, inverse = ctx.saved_tensors
+        return _sum_copies(grad, inverse, ctx.top_k), None, None, None
+
+
+class _SumCopies(torch.autograd.Function):
+    """Each token's rows (in expert order) summed: the transpose of :class:`_CopyRows`. Keeps only the indices,
+    where ``index_add_`` would keep its ``[tokens * k, dim]`` source."""
+
+    @staticmethod
+    def forward(ctx, rows, token_index, inverse, top_k):
+        ctx.save_for_backward(token_index)
+        return _sum_copies(rows, inverse, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_index,) = ctx.saved_tensors
+        return grad[token_index], None, None, None
+
+
+def _sum_copies(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[tokens * top_k, dim] rows in expert order -> [tokens, dim], each token's ``top_k`` rows summed."""
+    return rows[inverse].unflatten(0, (-1, top_k)).sum(1)
 
 
 class TokenDispatcher:
@@ -196,13 +239,15 @@ class TokenDispatcher:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts)
         token_index = order // routing.experts.shape[1]
-        return x[token_index], counts, (order, token_index)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        copies = (token_index, inverse, routing.experts.shape[1])
+        return _CopyRows.apply(x, *copies), counts, (order, copies)
 
     def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
-        order, token_index = state
+        order, copies = state
         weights = routing.weights.flatten()[order].to(out.dtype)
-        result = out.new_zeros(num_tokens, out.shape[-1])
-        return result.index_add_(0, token_index, out * weights[:, None])
+        return _SumCopies.apply(out * weights[:, None], *copies)
 
 
 class MoE(nn.Module):

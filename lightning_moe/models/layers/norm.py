@@ -1,9 +1,56 @@
-"""RMSNorm, computed in fp32 and cast back, as the Hugging Face reference models do."""
+"""RMSNorm, computed in fp32 and cast back, as the Hugging Face reference models do.
+
+Backward keeps only the input and its per-row ``rstd`` (:class:`_RMSNormFunction`) and recomputes the normalized
+rows: autograd through the same expression would also keep the fp32 copy of a bf16 input and the normalized rows,
+two more [tokens, hidden] tensors per norm. DTensor inputs (sequence parallelism) take the autograd expression,
+whose weight gradient DTensor reduces to the weight's placement.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+# how the weight meets the normalized rows: "input" multiplies in the input dtype after the cast (Llama and most
+# others), "fp32" multiplies in fp32 and casts the product (GPT-OSS, Nemotron-H), "offset" scales by 1 + weight
+# in fp32 (Qwen3-Next, Qwen3.5)
+FORMS = ("input", "fp32", "offset")
+
+
+def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x * rstd`` and ``rstd`` [..., 1]: the expression ``F.rms_norm`` computes, bitwise."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * rstd, rstd
+
+
+def _scaled(normed: torch.Tensor, weight: torch.Tensor, form: str, dtype: torch.dtype) -> torch.Tensor:
+    if form == "offset":
+        return (normed * (1.0 + weight.float())).to(dtype)
+    if form == "fp32":
+        return (weight.float() * normed).to(dtype)
+    return weight * normed.to(dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, form):
+        normed, rstd = _normalized(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.form = form
+        return _scaled(normed, weight, form, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad = grad.float()
+        scale = 1.0 + weight.float() if ctx.form == "offset" else weight.float()
+        grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        grad_normed = grad * scale
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None, None
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +69,11 @@ class RMSNorm(nn.Module):
     def reset_parameters(self, init_std: float | None = None) -> None:
         (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
 
+    @property
+    def form(self) -> str:
+        return "offset" if self.offset else "fp32" if self.weight_fp32 else "input"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32, multiply by the weight in the input dtype (bitwise what HF does)
-        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        if self.weight_fp32:
-            return (self.weight.float() * normed).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
+            return _scaled(_normalized(x, self.eps)[0], self.weight, self.form, x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.form)
