@@ -12,6 +12,10 @@ process, steadier when other work shares the cores). Memory: one forward + backw
 live tensors (as ``bench_models.py`` measures it); reported above the process's resident size before the step.
 Shapes: GDN with ``heads / 2`` key heads for ``heads`` value heads (Qwen3-Next's ratio), KDA with ``heads``
 heads; chunks of 64 on both sides.
+
+"bound": transformers' step over the time of the mixer's linear layers alone (forward + backward at the step's
+shapes, timed in the same alternation). Both implementations run exactly these GEMMs, so no implementation that
+keeps them can be faster than this ratio.
 """
 
 from __future__ import annotations
@@ -86,6 +90,20 @@ def step_fn(mixer: torch.nn.Module, x: torch.Tensor, native: bool):
     return run
 
 
+def projections_fn(mixer: torch.nn.Module, x: torch.Tensor):
+    """The mixer's linear layers alone, forward + backward (weights and inputs) at the step's shapes."""
+    linears = [m for m in mixer.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(*x.shape[:2], m.in_features, dtype=x.dtype) for m in linears]
+    grads = [torch.randn(*x.shape[:2], m.out_features, dtype=x.dtype) for m in linears]
+
+    def run():
+        outs = [m(inp.detach().requires_grad_()) for m, inp in zip(linears, inputs)]
+        torch.autograd.backward(outs, grads)
+        mixer.zero_grad(set_to_none=True)
+
+    return run
+
+
 def peak_memory(args, mixer: str, impl: str, seq: int) -> int:
     """Peak resident bytes above the start of one forward + backward, in a fresh process."""
     cmd = [sys.executable, __file__, "--child", mixer, impl, str(seq), "--hidden", str(args.hidden),
@@ -128,7 +146,7 @@ def main() -> None:
     print(f"fwd+bwd of one mixer, batch 1, hidden {args.hidden}, {args.heads} heads x {args.head_dim}, chunk 64, "
           f"{args.dtype}, {torch.get_num_threads()} threads")
     print(f"  {'mixer':5}{'seq':>6}{'ours tok/s':>12}{'theirs tok/s':>14}{'speed (wall)':>14}{'speed (CPU)':>13}"
-          f"{'ours MiB':>10}{'theirs MiB':>12}{'memory':>8}")
+          f"{'bound':>7}{'ours MiB':>10}{'theirs MiB':>12}{'memory':>8}")
     for mixer in args.mixers:
         for seq in args.seqs:
             torch.manual_seed(0)
@@ -141,12 +159,13 @@ def main() -> None:
                         - theirs(x).float()).abs().max().item()
             if diff > (1e-4 if dtype == torch.float32 else 5e-2):
                 raise SystemExit(f"{mixer} at {seq}: the mixers disagree (max |out diff| {diff:.2e}); not timing them")
-            seconds = median_seconds({"ours": step_fn(ours, x, True), "theirs": step_fn(theirs, x, False)}, args.steps)
-            (ow, oc), (tw, tc) = seconds["ours"], seconds["theirs"]
+            seconds = median_seconds({"ours": step_fn(ours, x, True), "theirs": step_fn(theirs, x, False),
+                                      "linears": projections_fn(ours, x)}, args.steps)
+            (ow, oc), (tw, tc), (lw, _) = seconds["ours"], seconds["theirs"], seconds["linears"]
             del ours, theirs
             mine, hub = peak_memory(args, mixer, "ours", seq), peak_memory(args, mixer, "theirs", seq)
             print(f"  {mixer:5}{seq:>6}{seq / ow:>12,.0f}{seq / tw:>14,.0f}{tw / ow:>13.2f}x{tc / oc:>12.2f}x"
-                  f"{mine / 2**20:>10,.0f}{hub / 2**20:>12,.0f}{mine / hub:>7.2f}x")
+                  f"{tw / lw:>6.2f}x{mine / 2**20:>10,.0f}{hub / 2**20:>12,.0f}{mine / hub:>7.2f}x")
     print("targets: >= 3x tokens/s, <= 0.6x peak memory")
 
 

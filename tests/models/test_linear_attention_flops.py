@@ -38,7 +38,8 @@ def tiny_config(symbol: str) -> ModelConfig:
 def head_decay_executed_flops(C: int, dk: int, dv: int) -> int:
     """Matmul FLOPs per value head and chunk of the one-decay-per-head delta rule's forward + backward
     (``layers/delta_rule.py``), which reads the state in every chunk (a zero one in the first). Chunk-parallel
-    part (run in forward and again in backward): ``k k^T``, ``q k^T``, the inverse, ``T [v | k]``. Forward scan:
+    part: ``k k^T``, ``q k^T``, the inverse, ``T [v | k]``, run again in backward but for the inverse, which
+    forward keeps. Forward scan:
     ``W S``, ``k_end^T v_new``, ``q_start S``, ``qk v_new``. Backward: ``W S``, ``qk^T dO``, ``q_start^T dO``,
     two products per chunk for the state's gradient, ``dO v_new^T``, ``dO S^T``, ``v_new dS^T``, ``dv_new S^T``,
     ``T^T dX``, ``dR X^T`` and the four products back to ``q`` and ``k``."""
@@ -46,7 +47,7 @@ def head_decay_executed_flops(C: int, dk: int, dv: int) -> int:
 
     parallel = 2 * 2 * C * C * dk + inverse_flops(C) + 2 * C * C * (dk + dv)
     forward = parallel + 3 * 2 * C * dk * dv + 2 * C * C * dv
-    backward = (parallel + 7 * 2 * C * dk * dv + 2 * 2 * C * C * dv + 2 * 2 * C * C * (dk + dv)
+    backward = (parallel - inverse_flops(C) + 7 * 2 * C * dk * dv + 2 * 2 * C * C * dv + 2 * 2 * C * C * (dk + dv)
                 + 4 * 2 * C * C * dk)
     return forward + backward
 

@@ -215,28 +215,31 @@ class _RecomputedDeltaRule(torch.autograd.Function):
 
 class _HeadDecayDeltaRule(torch.autograd.Function):
     """The delta rule with one decay per head (Gated DeltaNet) and a hand-written backward. Forward keeps its
-    inputs and the state entering every chunk; backward recomputes the chunk-parallel part (decays, ``k k^T``,
-    ``q k^T``, the inverse, ``U``/``W``) ``group`` chunks at a time, runs the state gradient backward over the
+    inputs, the state entering every chunk and every chunk's inverse ``T`` (as fla keeps its ``A``: the same size
+    as the states when ``C`` equals the head dims); backward recomputes the rest of the chunk-parallel part
+    (decays, ``k k^T``, ``q k^T``, ``U``/``W``) ``group`` chunks at a time, runs the state gradient backward over the
     chunks (two matmuls a chunk), and forms every other gradient with batched matmuls over all chunks of the
     group (the order of fla's ``chunk_gated_delta_rule`` backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, seq_idx, chunk_size, group):
         span, length = group * chunk_size, q.shape[1]
-        outs, states, state = [], [], None
+        outs, states, inverses, state = [], [], [], None
         for start in range(0, length, span):
             parts = _head_decay_chunks(*(t[:, start:start + span] for t in (q, k, v, g, beta)),
                                        C=chunk_size, **_group(seq_idx, start, span, length, state=False))
             out, entering, state = _scan(parts, state)
             outs.append(out)
             states.append(entering)
-        ctx.save_for_backward(q, k, v, g, beta, *states)
+            inverses.append(parts["T"])
+        ctx.save_for_backward(q, k, v, g, beta, *states, *inverses)
         ctx.seq_idx, ctx.chunk_size, ctx.span = seq_idx, chunk_size, span
         return torch.cat(outs, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, g, beta, *states = ctx.saved_tensors
+        q, k, v, g, beta, *saved = ctx.saved_tensors
+        states, inverses = saved[:len(saved) // 2], saved[len(saved) // 2:]
         span, length = ctx.span, q.shape[1]
         grads: list[list[torch.Tensor]] = [[] for _ in range(5)]
         grad_state = None
@@ -244,7 +247,7 @@ class _HeadDecayDeltaRule(torch.autograd.Function):
             for index in reversed(range(len(states))):
                 start = index * span
                 rows = [t[:, start:start + span] for t in (q, k, v, g, beta)]
-                parts = _head_decay_chunks(*rows, C=ctx.chunk_size,
+                parts = _head_decay_chunks(*rows, C=ctx.chunk_size, T=inverses[index],
                                            **_group(ctx.seq_idx, start, span, length, False))
                 found, grad_state = _head_decay_backward(parts, states[index],
                                                          grad[:, start:start + span].to(q.dtype), grad_state)
@@ -266,10 +269,11 @@ def _from_chunks(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1, *range(4, t.dim())).reshape(batch, chunks * C, heads, *t.shape[4:])
 
 
-def _head_decay_chunks(q, k, v, g, beta, seq_idx=None, C=64, prev_doc=None) -> dict[str, torch.Tensor]:
+def _head_decay_chunks(q, k, v, g, beta, seq_idx=None, C=64, prev_doc=None, T=None) -> dict[str, torch.Tensor]:
     """Everything chunk-parallel of the delta rule with one decay per head, [batch, heads, chunks, C, ...]:
-    ``A`` (strictly lower) and its inverse ``T``, ``X = T [beta v | beta k e^G]`` (``U | W``), ``qk``, the masked
-    decays, and the keys/queries decayed to the chunk start/end. Packed rows mask as :func:`_chunks_forward`."""
+    ``A`` (strictly lower) and its inverse ``T`` (given: not recomputed), ``X = T [beta v | beta k e^G]``
+    (``U | W``), ``qk``, the masked decays, and the keys/queries decayed to the chunk start/end. Packed rows mask
+    as :func:`_chunks_forward`."""
     q, k, v, g, beta = (_to_chunks(t, C) for t in (q, k, v, g, beta))
     G = torch.cumsum(g, dim=-1)
     G_end = G[..., -1]
@@ -288,7 +292,7 @@ def _head_decay_chunks(q, k, v, g, beta, seq_idx=None, C=64, prev_doc=None) -> d
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     A = (k_beta @ k.transpose(-1, -2)) * decay
     A.diagonal(dim1=-2, dim2=-1).zero_()  # strictly lower: decay is zero above the diagonal
-    T = unit_lower_inverse(A)
+    T = unit_lower_inverse(A) if T is None else T
     k_start = k_beta * e_start[..., None]
     X = T @ torch.cat([v_beta, k_start], dim=-1)
     return {"q": q, "k": k, "v": v, "beta": beta, "k_beta": k_beta, "decay": decay, "A": A, "T": T, "X": X,
