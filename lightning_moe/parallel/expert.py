@@ -52,6 +52,9 @@ class AllToAllDispatcher(TokenDispatcher):
         state = (local_state, by_expert, send_splits, recv_splits)
         return arrived[by_expert], received.sum(dim=0), state
 
+    def copied_from(self, state) -> None:
+        return None  # the rows came from other ranks
+
     def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
         local_state, by_expert, send_splits, recv_splits = state
         by_source = torch.empty_like(by_expert)

@@ -174,3 +174,18 @@ def test_aux_loss_from_a_hub_config_matches_transformers(tmp_path, output_router
         return
     expected = 0.02 * hf(ids, output_router_logits=True).aux_loss
     assert out.aux_loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_experts_keep_neither_the_token_copies_nor_the_activation():
+    """Backward copies the tokens into expert order again and recomputes the activation: of the [tokens * top_k,
+    ...] rows, a MoE forward keeps the gate and up projections, the activation's output (the down projection's
+    input) and the down projection's output (the routing weights' gradient) only."""
+    moe = _moe("swiglu", False)
+    x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        moe(x)
+    rows = 3 * 10 * moe.cfg.top_k
+    kept = sorted(tuple(t.shape) for t in saved if t.is_floating_point() and t.dim() == 2 and t.shape[0] == rows
+                  and t.shape[1] > 1)  # not the routing weights [rows, 1]
+    assert kept == [(rows, 16), (rows, 24), (rows, 24), (rows, 24)]

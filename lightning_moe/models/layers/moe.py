@@ -19,7 +19,8 @@ from lightning_moe.models.layers.mlp import MLP
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm``: row groups of ``a`` [N, in] (ends ``offs``) times the matrices of ``b`` [G, in, out]."""
+    """``torch._grouped_mm``: row groups of ``a`` [N, in] (ends ``offs``) times the matrices of ``b`` [G, in, out];
+    or, both 2-d, ``a`` [out, N] times ``b`` [N, in] summed per group -> [G, out, in] (a weight gradient)."""
     if a.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
         return torch._grouped_mm(a, b, offs=offs)
     return _eager_grouped_mm(a, b, offs)
@@ -161,9 +162,11 @@ class GroupedExperts(nn.Module):
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def project(self, name: str, inp: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Rows ``inp`` [N, in] sorted by expert through the stacked projection ``name`` ([E, out, in]) -> [N, out]."""
-        out = grouped_mm(inp, getattr(self, name).transpose(-2, -1), offsets)
+    def project(self, name: str, inp: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                product: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``inp`` [N, in] sorted by expert through the stacked projection ``name`` ([E, out, in]) -> [N, out]
+        (``product``: the weight's product, computed already)."""
+        out = grouped_mm(inp, getattr(self, name).transpose(-2, -1), offsets) if product is None else product
         bias = getattr(self, name.replace("_proj", "_bias"))
         if bias is not None:
             out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=inp.shape[0])
@@ -171,13 +174,22 @@ class GroupedExperts(nn.Module):
             out = out + self.adapter(name, inp, offsets)
         return out
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, dim] sorted by expert, ``counts`` [num_experts] rows per expert -> [N, dim]."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                copied_from: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x`` [N, dim] sorted by expert, ``counts`` [num_experts] rows per expert -> [N, dim]. ``copied_from``:
+        ``(tokens, index)`` when ``x`` is ``tokens[index]``, which backward then copies again instead of keeping
+        ``x`` (:class:`_ProjectCopies`)."""
         if self.cfg.backend == "loop":
             return self.forward_loop(x, counts)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate = self.project("gate_proj", x, counts, offsets) if self.gate_proj is not None else None
-        hidden = self._activate(gate, self.project("up_proj", x, counts, offsets))
+        names = ["gate_proj", "up_proj"] if self.gate_proj is not None else ["up_proj"]
+        products = [None] * len(names)
+        weights = [getattr(self, n) for n in names]
+        # adapters read the rows themselves; weight subclasses (MXFP8) bring their own grouped GEMM backward
+        if copied_from is not None and self.adapter is None and all(type(w.data) is torch.Tensor for w in weights):
+            products = _ProjectCopies.apply(x, *copied_from, offsets, *weights)
+        first = [self.project(n, x, counts, offsets, product) for n, product in zip(names, products)]
+        hidden = self._activate(first[0] if len(first) == 2 else None, first[-1])
         return self.project("down_proj", hidden, counts, offsets)
 
     def forward_loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -230,6 +242,28 @@ def _sum_copies(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.
     return rows[inverse].unflatten(0, (-1, top_k)).sum(1)
 
 
+class _ProjectCopies(torch.autograd.Function):
+    """The products of ``rows`` (``tokens[index]``, the tokens' copies in expert order) with the experts' first
+    stacked weights ([E, out, in] each), without keeping ``rows`` for backward: backward copies them from the
+    tokens again, one gather, where keeping them would hold [tokens * top_k, dim] per layer until then."""
+
+    @staticmethod
+    def forward(ctx, rows, tokens, index, offsets, *weights):
+        ctx.save_for_backward(tokens, index, offsets, *weights)
+        ctx.rows_dtype = rows.dtype
+        return tuple(grouped_mm(rows, weight.transpose(-2, -1), offsets) for weight in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tokens, index, offsets, *weights = ctx.saved_tensors
+        rows = tokens[index].to(weights[0].dtype)
+        grads = [g.to(weights[0].dtype) for g in grads]
+        grad_rows = sum(grouped_mm(g, weight, offsets) for g, weight in zip(grads, weights))
+        grad_weights = [grouped_mm(g.t(), rows, offsets) if needed else None
+                        for g, needed in zip(grads, ctx.needs_input_grad[4:])]
+        return grad_rows.to(ctx.rows_dtype), None, None, None, *grad_weights
+
+
 class TokenDispatcher:
     """Sorts token copies by expert and scatters expert outputs back. Expert parallelism replaces this
     with an all-to-all dispatcher of the same interface (``parallel/expert.py``)."""
@@ -243,6 +277,10 @@ class TokenDispatcher:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         copies = (token_index, inverse, routing.experts.shape[1])
         return _CopyRows.apply(x, *copies), counts, (order, copies)
+
+    def copied_from(self, state) -> torch.Tensor | None:
+        """``index`` such that the rows :meth:`dispatch` returned are ``x[index]`` (None where they are not)."""
+        return state[1][0]
 
     def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
         order, copies = state
@@ -301,7 +339,9 @@ class MoE(nn.Module):
                 )
         routed_in = self.fc1_latent_proj(tokens) if self.cfg.latent_size else tokens
         sorted_x, counts, state = self.dispatcher.dispatch(routed_in, routing, self.cfg.num_experts)
-        routed = self.dispatcher.combine(self.experts(sorted_x, counts), routing, state, tokens.shape[0])
+        index = self.dispatcher.copied_from(state)
+        out = self.experts(sorted_x, counts, None if index is None else (routed_in, index))
+        routed = self.dispatcher.combine(out, routing, state, tokens.shape[0])
         if self.cfg.latent_size:
             routed = self.fc2_latent_proj(routed)
         out = routed.view(shape)
