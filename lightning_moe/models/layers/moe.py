@@ -208,17 +208,17 @@ class GroupedExperts(nn.Module):
 class _CopyRows(torch.autograd.Function):
     """``x[token_index]``: each token's ``k`` copies in expert order. Backward sums each token's copies by a
     gather (``inverse``: the sorted position of every (token, slot)) in slot order, instead of autograd's
-    accumulating scatter: deterministic, and it keeps only the two index vectors."""
+    accumulating scatter: deterministic, and it keeps only that index vector."""
 
     @staticmethod
     def forward(ctx, x, token_index, inverse, top_k):
-        ctx.save_for_backward(token_index, inverse)
+        ctx.save_for_backward(inverse)
         ctx.top_k = top_k
         return x[token_index]
 
     @staticmethod
     def backward(ctx, grad):
-        token_index, inverse = ctx.saved_tensors
+        (inverse,) = ctx.saved_tensors
         return _sum_copies(grad, inverse, ctx.top_k), None, None, None
 
 
@@ -265,8 +265,8 @@ class _ProjectCopies(torch.autograd.Function):
 
 
 class TokenDispatcher:
-    """Sorts token copies by expert and scatters expert outputs back. Expert parallelism replaces this
-    with an all-to-all dispatcher of the same interface (``parallel/expert.py``)."""
+    """Sorts token copies by expert and sums each token's weighted expert outputs back. Expert parallelism
+    replaces this with an all-to-all dispatcher of the same interface (``parallel/expert.py``)."""
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
         flat = routing.experts.flatten()
