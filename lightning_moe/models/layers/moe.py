@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.models.config import MoEConfig
@@ -185,8 +186,9 @@ class GroupedExperts(nn.Module):
         names = ["gate_proj", "up_proj"] if self.gate_proj is not None else ["up_proj"]
         products = [None] * len(names)
         weights = [getattr(self, n) for n in names]
-        # adapters read the rows themselves; weight subclasses (MXFP8) bring their own grouped GEMM backward
-        if copied_from is not None and self.adapter is None and all(type(w.data) is torch.Tensor for w in weights):
+        # adapters read the rows themselves; wrapper weights (torchao's MXFP8) bring their own grouped GEMM backward
+        if (copied_from is not None and self.adapter is None
+                and not any(is_traceable_wrapper_subclass(w.data) for w in weights)):
             products = _ProjectCopies.apply(x, *copied_from, offsets, *weights)
         first = [self.project(n, x, counts, offsets, product) for n, product in zip(names, products)]
         hidden = self._activate(first[0] if len(first) == 2 else None, first[-1])
