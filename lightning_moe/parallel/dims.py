@@ -126,6 +126,12 @@ class ParallelDims:
         pattern = config.pattern + (config.mtp.pattern if config.mtp is not None and config.mtp.num_layers else "")
         has_attention = "*" in pattern
         if self.tp > 1:
+            if config.te_modules:
+                # TE's layers split themselves (their tp_group and sequence_parallel arguments), which torch's
+                # tensor-parallel styles do not drive: they would run whole on every rank
+                raise ValueError(f"tp={self.tp}: model.te_modules: true is not split by tensor parallelism "
+                                 f"(Transformer Engine's layers shard through their own tp_group); use "
+                                 f"te_modules: false with tp > 1, or tp=1")
             check_linear_attention_split(config, pattern, self.tp, "tp")
             if "M" in pattern:
                 check_head_split(config.mamba.n_groups, self.tp, "tp")

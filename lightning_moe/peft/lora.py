@@ -172,6 +172,11 @@ def _examples(names: list[str], limit: int = 6) -> str:
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> LoraTargets:
     """Add adapters to ``model`` in place (meta device is fine) and freeze everything else."""
+    if getattr(getattr(model, "config", None), "te_modules", False):
+        # peft's LoRA layer wraps torch.nn.Linear; TE's Linear is not one, so the dense projections would be left
+        # without adapters (and all-linear would quietly mean fewer layers)
+        raise ValueError("peft with model.te_modules: true: LoRA adapts torch.nn.Linear layers, and Transformer "
+                         "Engine's are not; use te_modules: false for LoRA")
     targets = select_targets(model, cfg)
     if targets.linears:
         import peft

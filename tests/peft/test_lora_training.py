@@ -104,6 +104,18 @@ def test_target_patterns_select_and_exclude():
     assert targets.experts == []
 
 
+def test_lora_on_transformer_engine_layers_is_refused():
+    """te_modules swaps the dense linears for TE's, which peft's LoRA layer does not wrap: refused, not skipped.
+    (Building with te_modules needs TE; the model here is built without it and then carries the key.)"""
+    import dataclasses
+
+    with torch.device("meta"):
+        model = Decoder(moe_mtp_config())
+    model.config = dataclasses.replace(model.config, te_modules=True)
+    with pytest.raises(ValueError, match=r"peft with model.te_modules: true: .*use te_modules: false for LoRA"):
+        apply_lora(model, LoraConfig())
+
+
 @pytest.mark.parametrize(
     "lora,message",
     [
