@@ -55,12 +55,12 @@ class AllToAllDispatcher(TokenDispatcher):
     def copied_from(self, state) -> None:
         return None  # the rows came from other ranks
 
-    def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, routing: Routing, state) -> torch.Tensor:
         local_state, by_expert, send_splits, recv_splits = state
         by_source = torch.empty_like(by_expert)
         by_source[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
         returned = all_to_all_autograd(out[by_source], send_splits, recv_splits, self.group)
-        return super().combine(returned, routing, local_state, num_tokens)
+        return super().combine(returned, routing, local_state)
 
 
 def shard_stacked_experts(experts: nn.Module, ep_mesh, total: int) -> None:

@@ -88,7 +88,7 @@ def _expert_parallel_forward(experts: nn.Module, dispatcher: TokenDispatcher, nu
         routing = Routing(experts=top_k_index, weights=top_k_weights, scores=None)
         rows, counts, state = dispatcher.dispatch(hidden_states, routing, num_experts)
         out = local_experts_forward(experts, rows, counts)
-        return dispatcher.combine(out, routing, state, hidden_states.shape[0]).to(hidden_states.dtype)
+        return dispatcher.combine(out, routing, state).to(hidden_states.dtype)
 
     return forward
 

@@ -26,7 +26,7 @@ def test_dispatch_combine_equal_the_per_slot_sum():
     # rows sorted by expert, slots of one expert in token order
     slots = sorted(range(tokens * top_k), key=lambda slot: (int(experts.flatten()[slot]), slot))
     assert torch.equal(rows, x[[slot // top_k for slot in slots]])
-    out = dispatcher.combine(rows * scale[expert_of_row, None], routing, state, tokens)
+    out = dispatcher.combine(rows * scale[expert_of_row, None], routing, state)
     got = torch.autograd.grad(out, (x, weights), grad_out)
 
     expected = (weights[..., None] * x[:, None, :] * scale[experts][..., None]).sum(dim=1)

@@ -188,7 +188,7 @@ class GroupedExperts(nn.Module):
         weights = [getattr(self, n) for n in names]
         # adapters read the rows themselves; wrapper weights (torchao's MXFP8) bring their own grouped GEMM backward
         if (copied_from is not None and self.adapter is None
-                and not any(is_traceable_wrapper_subclass(w.data) for w in weights)):
+                and not any(is_traceable_wrapper_subclass(w) for w in weights)):
             products = _ProjectCopies.apply(x, *copied_from, offsets, *weights)
         first = [self.project(n, x, counts, offsets, product) for n, product in zip(names, products)]
         hidden = self._activate(first[0] if len(first) == 2 else None, first[-1])
@@ -252,18 +252,16 @@ class _ProjectCopies(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, tokens, index, offsets, *weights):
         ctx.save_for_backward(tokens, index, offsets, *weights)
-        ctx.rows_dtype = rows.dtype
         return tuple(grouped_mm(rows, weight.transpose(-2, -1), offsets) for weight in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         tokens, index, offsets, *weights = ctx.saved_tensors
-        rows = tokens[index].to(weights[0].dtype)
-        grads = [g.to(weights[0].dtype) for g in grads]
+        rows = tokens[index]
         grad_rows = sum(grouped_mm(g, weight, offsets) for g, weight in zip(grads, weights))
         grad_weights = [grouped_mm(g.t(), rows, offsets) if needed else None
                         for g, needed in zip(grads, ctx.needs_input_grad[4:])]
-        return grad_rows.to(ctx.rows_dtype), None, None, None, *grad_weights
+        return grad_rows, None, None, None, *grad_weights
 
 
 class TokenDispatcher:
@@ -284,7 +282,8 @@ class TokenDispatcher:
         """``index`` such that the rows :meth:`dispatch` returned are ``x[index]`` (None where they are not)."""
         return state[1][0]
 
-    def combine(self, out: torch.Tensor, routing: Routing, state, num_tokens: int) -> torch.Tensor:
+    def combine(self, out: torch.Tensor, routing: Routing, state) -> torch.Tensor:
+        """[tokens, dim]: each token's rows of ``out`` (in :meth:`dispatch`'s order), weighted and summed."""
         order, copies = state
         weights = routing.weights.flatten()[order].to(out.dtype)
         return _SumCopies.apply(out * weights[:, None], *copies)
@@ -343,7 +342,7 @@ class MoE(nn.Module):
         sorted_x, counts, state = self.dispatcher.dispatch(routed_in, routing, self.cfg.num_experts)
         index = self.dispatcher.copied_from(state)
         out = self.experts(sorted_x, counts, None if index is None else (routed_in, index))
-        routed = self.dispatcher.combine(out, routing, state, tokens.shape[0])
+        routed = self.dispatcher.combine(out, routing, state)
         if self.cfg.latent_size:
             routed = self.fc2_latent_proj(routed)
         out = routed.view(shape)

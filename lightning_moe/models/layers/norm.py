@@ -12,12 +12,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-# how the weight meets the normalized rows: "input" multiplies in the input dtype after the cast (Llama and most
-# others), "fp32" multiplies in fp32 and casts the product (GPT-OSS, Nemotron-H), "offset" scales by 1 + weight
-# in fp32 (Qwen3-Next, Qwen3.5)
-FORMS = ("input", "fp32", "offset")
-
-
 def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x * rstd`` and ``rstd`` [..., 1]: the expression ``F.rms_norm`` computes, bitwise."""
     xf = x.float()
@@ -26,6 +20,9 @@ def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _scaled(normed: torch.Tensor, weight: torch.Tensor, form: str, dtype: torch.dtype) -> torch.Tensor:
+    """How the weight meets the normalized rows: ``"input"`` multiplies in the input dtype after the cast (Llama
+    and most others), ``"fp32"`` multiplies in fp32 and casts the product (GPT-OSS, Nemotron-H), ``"offset"``
+    scales by 1 + weight in fp32 (Qwen3-Next, Qwen3.5)."""
     if form == "offset":
         return (normed * (1.0 + weight.float())).to(dtype)
     if form == "fp32":
