@@ -21,6 +21,7 @@ from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.hf import HFModel, build_hf_model
+from lightning_moe.parallel.fsdp import fsdp_applies
 from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
@@ -260,9 +261,9 @@ def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=Non
     """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
     materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
     dims, options = strategy.parallel_dims, strategy.pipeline_options
-    parallel = strategy._parallelize_options
-    check_pipeline_model(config, dims, options["pp_schedule"], sharded=dims.fsdp_enabled or parallel[
-        "param_dtype"] is not None or parallel["cpu_offload"])
+    parallel = strategy.parallelize_options
+    check_pipeline_model(config, dims, options["pp_schedule"],
+                         sharded=fsdp_applies(dims, parallel["param_dtype"], parallel["cpu_offload"]))
     with torch.device("meta"):
         decoder = Decoder(config)
     apply_converters(decoder, fp8, peft, freeze)
@@ -318,7 +319,7 @@ def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=Non
     if dims.cp > 1:
         raise ValueError(f"pp={dims.pp} with cp={dims.cp} on the generic transformers path (model.hf) is not "
                          f"supported; use cp=1")
-    if strategy._parallelize_options["compile"]:
+    if strategy.parallelize_options["compile"]:
         raise ValueError(f"pp={dims.pp} on the generic transformers path (model.hf) with compile=True is not "
                          f"supported (untested); use compile=False, or pp=1")
     if dims.tp > 1:
@@ -346,7 +347,7 @@ def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=Non
     return model, runner
 
 
-def check_pipeline_model(config, dims, schedule: str, sharded: bool = True) -> None:
+def check_pipeline_model(config, dims, schedule: str, sharded: bool) -> None:
     """What the pipeline does not split yet, refused before any model is built. ``sharded``: FSDP applies (data
     parallelism, or a mixed-precision/offload policy)."""
     if config.tie_embeddings and schedule in V_SHAPED and (sharded or dims.tp > 1):

@@ -73,6 +73,12 @@ def split_experts(unit: nn.Module) -> list[nn.Module]:
             if isinstance(m, MoE) or getattr(m, SPLIT_MARK, False)]
 
 
+def fsdp_applies(dims, param_dtype: torch.dtype | str | None, cpu_offload: bool) -> bool:
+    """Whether FSDP wraps the model: over data-parallel ranks, and also on one rank when a mixed-precision or
+    offload policy is asked for (FSDP is what carries them)."""
+    return dims.fsdp_enabled or param_dtype is not None or cpu_offload
+
+
 def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpointing: str = "none",
                                  activation_checkpointing_every: int = 1, compile: bool = False,
                                  compile_backend: str = "inductor", param_dtype: torch.dtype | None = None,
@@ -82,7 +88,7 @@ def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpoin
     and compile per block, then FSDP2/HSDP over the data-parallel mesh of ``dims`` (also on one rank when a
     mixed-precision or offload policy is asked for), experts split by expert parallelism over ``expert_fsdp``."""
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
-    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
+    if fsdp_applies(dims, param_dtype, cpu_offload):
         apply_fsdp(
             model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
             gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,

@@ -16,7 +16,7 @@ from lightning_moe.parallel.context import apply_context_parallel
 from lightning_moe.parallel.diffusion import parallelize_diffusion
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
-from lightning_moe.parallel.fsdp import apply_fsdp
+from lightning_moe.parallel.fsdp import apply_fsdp, fsdp_applies
 from lightning_moe.parallel.hf import parallelize_hf
 from lightning_moe.parallel.tensor import apply_tensor_parallel, split_linears, sum_partial_gradients
 from lightning_moe.precision.fp8_tensor_parallel import check_split
@@ -76,9 +76,7 @@ def parallelize(
         apply_context_parallel(model, dims.mesh("cp"), dims.mesh("cp_tp") if dims.tp > 1 else None)
     checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend,
                            checkpoint_outside=dims.tp > 1)
-    # FSDP also carries the mixed-precision and offload policies, so it is applied when they are asked for
-    # even without data-parallel ranks (a 1-rank mesh)
-    if dims.fsdp_enabled or param_dtype is not None or cpu_offload:
+    if fsdp_applies(dims, param_dtype, cpu_offload):
         apply_fsdp(
             model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
             gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,

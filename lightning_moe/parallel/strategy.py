@@ -133,7 +133,7 @@ class ParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
         self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
-        self._parallelize_options = {
+        self.parallelize_options = {
             "activation_checkpointing": activation_checkpointing,
             "activation_checkpointing_every": activation_checkpointing_every,
             "compile": compile,
@@ -207,7 +207,7 @@ class ParallelStrategy(ModelParallelStrategy):
                     f"or transformers' on the generic path); {type(model).__name__} (e.g. a vision model) is not "
                     f"split into stages yet: use pp=1"
                 )
-        return parallelize(model, self.parallel_dims, **self._parallelize_options)
+        return parallelize(model, self.parallel_dims, **self.parallelize_options)
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's share of a batch: the context-parallel sequence split (identity when ``cp == 1``)."""

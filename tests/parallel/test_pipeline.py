@@ -277,7 +277,7 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     ]:
         strategy = SimpleNamespace(parallel_dims=ParallelDims(pp=2, world_size=2),
                                    pipeline_options={"vp": vp, "pp_schedule": schedule, "pp_layout": None},
-                                   _parallelize_options={"activation_checkpointing": "none", "compile": False,
+                                   parallelize_options={"activation_checkpointing": "none", "compile": False,
                                                          **options})
         with pytest.raises(ValueError, match=message):
             build_pipelined_hf_model(HFModelConfig(hf=names["qwen3_moe"][3:], native="never"), strategy=strategy,

@@ -96,11 +96,13 @@ def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_ba
     enough micro-batches for the schedule."""
     from lightning_moe.models.decoder import Decoder
     from lightning_moe.modules.pipeline_step import check_micro_batches, check_pipeline_model
+    from lightning_moe.parallel.fsdp import fsdp_applies
     from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model
 
     vp = args.get("vp", 1)
     check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
-    check_pipeline_model(config, dims, args.get("pp_schedule") or default_schedule(vp))
+    check_pipeline_model(config, dims, args.get("pp_schedule") or default_schedule(vp),
+                         sharded=fsdp_applies(dims, args.get("param_dtype"), args.get("cpu_offload", False)))
     with torch.device("meta"):
         model = Decoder(config)
     stages = split_model(model, dims.pp * vp, args.get("pp_layout"))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+
 def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x * rstd`` and ``rstd`` [..., 1]: the expression ``F.rms_norm`` computes, bitwise."""
     xf = x.float()
