@@ -30,7 +30,7 @@ from torch import nn
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, pattern_flops
 from lightning_moe.models.layers.moe import MoE
-from lightning_moe.models.layers.mtp import shift_left
+from lightning_moe.models.layers.mtp import ids_ahead
 from lightning_moe.models.layers.sequence import SequenceLayout
 from lightning_moe.parallel.context import ContextParallelRow
 
@@ -327,7 +327,7 @@ class StageModule(nn.Module):
         if self.spec.embedding:
             (ids,) = inputs
             hidden = self.embed(ids)
-            ahead = [self.embed(_ids_ahead(ids, layout, d)) for d in range(1, self._mtp_depths() + 1)]
+            ahead = [self.embed(a) for a in ids_ahead(ids, layout, self._mtp_depths())]
         else:
             hidden, *ahead = inputs
         for block in self.layers.values():
@@ -378,15 +378,6 @@ def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple
             t = torch.where(torch.ones_like(t, dtype=torch.bool), noise, t)
         replaced.append(t)
     return tuple(replaced)
-
-
-def _ids_ahead(ids: torch.Tensor, layout: SequenceLayout, depth: int) -> torch.Tensor:
-    """The token ``depth`` places ahead of each of this rank's tokens, as the MTP depths read it (under context
-    parallelism from the whole row, then this rank's positions kept: ``MTP.forward``)."""
-    row = layout.context_parallel
-    if row is None:
-        return shift_left(ids, depth, 0)
-    return shift_left(row.full_row(ids), depth, 0)[:, row.query_index]
 
 
 class PipelinedDecoder(nn.Module):

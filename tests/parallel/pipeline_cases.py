@@ -203,14 +203,14 @@ class LocalTokensAhead(GradProbe):
         from lightning_moe.parallel import pipeline
 
         super().configure_model()
-        self._ids_ahead = pipeline._ids_ahead
-        pipeline._ids_ahead = lambda ids, layout, depth: shift_left(ids, depth, 0)
+        self._ids_ahead = pipeline.ids_ahead
+        pipeline.ids_ahead = lambda ids, layout, depths: [shift_left(ids, d, 0) for d in range(1, depths + 1)]
 
     def teardown(self, stage):
         from lightning_moe.parallel import pipeline
 
         if hasattr(self, "_ids_ahead"):
-            pipeline._ids_ahead = self._ids_ahead
+            pipeline.ids_ahead = self._ids_ahead
         super().teardown(stage)
 
 

@@ -54,6 +54,17 @@ def shift_left(x: torch.Tensor, steps: int, fill: int) -> torch.Tensor:
     return out
 
 
+def ids_ahead(ids: torch.Tensor, layout: SequenceLayout, depths: int) -> list[torch.Tensor]:
+    """For ``d = 1 .. depths``: the token ``d`` places ahead of each of this rank's tokens (0 past the row's end).
+    Under context parallelism they come from the whole row, gathered once, and this rank's positions are kept."""
+    if not depths:
+        return []
+    row = layout.context_parallel
+    full = ids if row is None else row.full_row(ids)
+    ahead = [shift_left(full, d, 0) for d in range(1, depths + 1)]
+    return ahead if row is None else [a[:, row.query_index] for a in ahead]
+
+
 class MultiTokenPrediction(nn.Module):
     def __init__(self, config: ModelConfig, build_blocks: BuildBlocks) -> None:
         super().__init__()
@@ -68,18 +79,18 @@ class MultiTokenPrediction(nn.Module):
         tokens and targets ahead are taken from the whole row, then this rank's positions kept."""
         row = layout.context_parallel
         local = None
+        ahead = ids_ahead(input_ids, layout, len(self.depths))
         if row is not None:
-            input_ids, labels, local = row.full_row(input_ids), row.full_row(labels), row.query_index
+            labels, local = row.full_row(labels), row.query_index
         docs = (row.full_layout if row is not None else layout).document_ids
         loss_sums, counts = [], []
         previous = hidden
-        for d, depth in enumerate(self.depths, start=1):
-            ahead_ids = shift_left(input_ids, d, 0)
+        for d, (depth, ahead_ids) in enumerate(zip(self.depths, ahead), start=1):
             target = shift_left(labels, d, IGNORE_INDEX)
             same_sequence = shift_left(docs, d, -1) == docs
             target = target.masked_fill(~same_sequence, IGNORE_INDEX)
             if local is not None:
-                ahead_ids, target = ahead_ids[:, local], target[:, local]
+                target = target[:, local]
             previous = depth(decoder.embed(ahead_ids), previous, layout)
             loss_sum, count = decoder.output_layer.loss(
                 previous, decoder.output_weight, target, self.config.loss_chunk_size
