@@ -337,8 +337,9 @@ class CausalLM(L.LightningModule):
         # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
         # all ranks that hold the same layers: tensor-parallel ranks route different sequence shards, and the
         # update only uses the sign
-        update_expert_bias(self.model, getattr(self.trainer.strategy, "stage_group", None))
-        update_correction_biases(self.model, getattr(self.trainer.strategy, "stage_group", None))  # model.hf routers
+        group = getattr(self.trainer.strategy, "stage_group", None)
+        update_expert_bias(self.model, group)
+        update_correction_biases(self.model, group)  # model.hf routers
         if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
             precompute_fsdp_float8_scales(self.model)
 
