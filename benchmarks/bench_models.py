@@ -10,6 +10,7 @@ shown net of the weights + gradients + AdamW state every implementation must hol
     python benchmarks/bench_models.py                 # both workloads
     python benchmarks/bench_models.py --steps 5 --workloads dense --dtypes bfloat16
     python benchmarks/bench_models.py --workloads dense moe mla nemotron_h --seqs 512 4096 --dtypes float32
+    python benchmarks/bench_models.py --allocator heap  # timed runs without glibc's page-by-page faulting
 
 Each run also measures, in the same process and threads, the machine's GEMM rate at the model's own matmul
 shapes: every mm / addmm / bmm / grouped mm one training step executes is captured once and replayed exactly as
@@ -18,8 +19,10 @@ warm), right after each timed step. "of shape" is the step's model FLOP/s (the p
 native config, the same for both implementations) over the replay's FLOP/s (FLOPs counted from the operands,
 grouped GEMMs included), the median over steps; "GEMM time" is the replay's time over the step's. Both stay
 below 100% unless the model FLOPs outside the captured GEMMs (SDPA's fused attention kernels) run faster than
-GEMMs. Also the best square-GEMM rate (4096^3), "of best". Rows at ``--seqs`` other than
-the workload's own keep ~2048 tokens per step (batch = 2048 // seq, at least 1).
+GEMMs. Also the best square-GEMM rate (4096^3), "of best". "bound" is the "of shape" of a step that ran nothing
+but its GEMMs, torch's CPU flash attention kernels (forward and backward, replayed the same way) and the fused
+AdamW update (timed in the step itself): what no change to the model code short of new kernels can exceed.
+Rows at ``--seqs`` other than the workload's own keep ~2048 tokens per step (batch = 2048 // seq, at least 1).
 
 Targets: native >= 1.3x tokens/s and <= 0.8x peak memory of transformers; step model FLOP/s >= 90% of the shape
 GEMM rate up to seq 2048 and >= 85% at 4096.
@@ -65,9 +68,17 @@ WORKLOADS = {
                        seq=512, batch=4),
 }
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+# attention kernels, whose speed is torch's, not the model code's (see "bound")
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
+# glibc malloc policies for the timed runs (both implementations alike). "default": buffers over the adaptive
+# mmap threshold (at most 32 MiB; a [vocab, hidden] gradient is over it) are mapped when allocated and unmapped
+# when freed, and the heap's top is trimmed, so every step faults its fresh activations and gradients in page by
+# page (in the kernel: 2-10 % of a step's CPU time on a 2-core VM, varying with the host). "heap": no mmap, no trim,
+# freed memory is reused, as the caching allocators of GPUs (or jemalloc/tcmalloc on CPUs) do.
+ALLOCATORS = {"default": {}, "heap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}}
 
 
 def hf_config(spec: dict):
@@ -104,7 +115,7 @@ def with_seq(spec: dict, seq: int | None) -> dict:
 
 
 class TensorSpec:
-    """A GEMM operand as captured: shape, strides and dtype (integer tensors, grouped GEMM offsets, by value)."""
+    """An operand as captured: shape, strides and dtype (integer tensors, grouped GEMM offsets, by value)."""
 
     def __init__(self, tensor) -> None:
         self.shape, self.stride, self.dtype = tuple(tensor.shape), tensor.stride(), tensor.dtype
@@ -123,21 +134,23 @@ class TensorSpec:
         return torch.randn(storage, dtype=self.dtype).as_strided(self.shape, self.stride)
 
 
-def captured_gemms(step) -> list[tuple]:
-    """The GEMMs one call of ``step`` executes, in order: (op, args, kwargs) with tensors as :class:`TensorSpec`."""
+def captured_calls(step, *op_sets: tuple[str, ...]) -> list[list[tuple]]:
+    """The calls one run of ``step`` makes to the ops of each set (by name), in order: a list per set of
+    (op, args, kwargs) with tensors as :class:`TensorSpec`."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
 
-    calls = []
+    calls = [[] for _ in op_sets]
 
     def describe(value):
         return TensorSpec(value) if isinstance(value, torch.Tensor) else value
 
     class Capture(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in GEMM_OPS:
-                calls.append((func, tree_map(describe, args), tree_map(describe, kwargs or {})))
+            for ops, found in zip(op_sets, calls):
+                if func.overloadpacket.__name__ in ops:
+                    found.append((func, tree_map(describe, args), tree_map(describe, kwargs or {})))
             return func(*args, **(kwargs or {}))
 
     with Capture():
@@ -172,11 +185,11 @@ def gemm_flops(func, args: tuple, kwargs: dict) -> int:
     return 2 * batch * a[-2] * a[-1] * b[-1]
 
 
-class GemmReplay:
-    """The captured GEMMs re-run exactly as the step called them: same ops, arguments, shapes, strides, dtypes
-    and order (grouped GEMMs with the step's own group offsets), on random inputs built once and reused, so the
-    replay runs warm. :meth:`run` is timed between training steps, so step and reference share the machine's
-    load at that moment; the step runs all these GEMMs and more, so its time cannot honestly be below theirs."""
+class Replay:
+    """Captured calls re-run exactly as the step made them: same ops, arguments, shapes, strides, dtypes and order
+    (grouped GEMMs with the step's own group offsets), on random inputs built once and reused, so the replay runs
+    warm. :meth:`run` is timed between training steps, so step and reference share the machine's load at that
+    moment."""
 
     def __init__(self, calls: list[tuple]) -> None:
         from torch.utils._pytree import tree_map
@@ -191,16 +204,24 @@ class GemmReplay:
                 built[key] = value.build()
             return built[key]
 
-        self.flops = sum(gemm_flops(func, args, kwargs) for func, args, kwargs in calls)
         self.calls = [(func, tree_map(build, args), tree_map(build, kwargs)) for func, args, kwargs in calls]
-        self.run()  # warm: first-touch of the inputs, the BLAS library's own first-call setup
+        self.run()  # warm: first-touch of the inputs, the libraries' own first-call setup
 
     def run(self) -> float:
-        """Seconds to run every captured GEMM once, in the step's order."""
+        """Seconds to run every captured call once, in the step's order."""
         start = time.perf_counter()
         for func, args, kwargs in self.calls:
             func(*args, **kwargs)
         return time.perf_counter() - start
+
+
+class GemmReplay(Replay):
+    """The step's captured GEMMs replayed (:class:`Replay`); the step runs all of them and more, so its time cannot
+    honestly be below theirs."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        self.flops = sum(gemm_flops(func, args, kwargs) for func, args, kwargs in calls)
+        super().__init__(calls)
 
 
 def _rss_bytes(field: str) -> int:
@@ -211,7 +232,7 @@ def _rss_bytes(field: str) -> int:
 
 
 def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup: int, threads: int | None,
-            rates: bool = True) -> dict:
+            rates: bool = True, compile: bool = False) -> dict:
     """Runs inside the child process."""
     import torch
 
@@ -234,6 +255,10 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
         from lightning_moe.checkpoint.load import load_pretrained
 
         model = load_pretrained(weights, dtype=dtype).train()
+        if compile:
+            from lightning_moe.parallel.compile import apply_compile
+
+            apply_compile(model)
         count = labels.numel()
 
         def step_loss():
@@ -242,20 +267,27 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
     # fused AdamW: transformers' Trainer default (torch >= 2.8) and CausalLM's
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
+    optimizer_seconds = []
+
     def train_step():
         loss = step_loss()
         loss.backward()
+        start = time.perf_counter()
         optimizer.step()
+        optimizer_seconds.append(time.perf_counter() - start)
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     for _ in range(warmup):
         train_step()
-    replay = GemmReplay(captured_gemms(train_step)) if rates else None
+    replay = attention = None
+    if rates:
+        gemm_calls, attention_calls = captured_calls(train_step, GEMM_OPS, ATTENTION_OPS)
+        replay, attention = GemmReplay(gemm_calls), Replay(attention_calls)
     state_bytes = sum(p.numel() * p.element_size() * 4 for p in model.parameters())  # weight, grad, 2 moments
     Path("/proc/self/clear_refs").write_text("5")  # reset the RSS high-water mark
     baseline = _rss_bytes("VmRSS")
-    losses, step_seconds, gemm_seconds, cpu = [], [], [], 0.0
+    losses, step_seconds, gemm_seconds, attention_seconds, cpu = [], [], [], [], 0.0
     for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(train_step())
@@ -263,6 +295,7 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
         cpu += time.process_time() - start_cpu
         if replay is not None:  # right after the step: the same load, threads and process
             gemm_seconds.append(replay.run())
+            attention_seconds.append(attention.run())
     elapsed = sum(step_seconds)
     result = {}
     if rates:
@@ -281,6 +314,11 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
                   # model FLOP/s as a fraction of the GEMM rate at the step's own shapes, per step (median)
                   "of_shape": share * step_flops / replay.flops,
                   "gemm_time_share": share, "gemm_flops_per_model_flop": replay.flops / step_flops,
+                  # a step of nothing but these GEMMs and torch's attention and optimizer kernels
+                  "of_shape_bound": step_flops / shape_rate / (min(gemm_seconds) + min(attention_seconds)
+                                                               + min(optimizer_seconds)),
+                  "gemm_seconds": min(gemm_seconds), "attention_seconds": min(attention_seconds),
+                  "optimizer_seconds": min(optimizer_seconds),
                   "best_gemm_flops_per_s": measure_cpu_peak_flops(dtype, 4096, repeats=2)}
     return {**result,
         "tokens_per_s": batch * seq * steps / elapsed,
@@ -294,19 +332,24 @@ def measure(impl: str, spec: dict, weights: Path, dtype: str, steps: int, warmup
 
 
 def run_child(impl: str, workload: str, weights: Path, dtype: str, steps: int, warmup: int,
-              threads: int | None, memory: bool = False, seq: int | None = None) -> dict:
+              threads: int | None, memory: bool = False, seq: int | None = None, allocator: str = "default",
+              compile: bool = False) -> dict:
     """One measurement in a fresh process. ``memory``: with glibc's mmap threshold fixed, so every large buffer
     is mapped when allocated and unmapped when freed; the resident high-water mark then follows the live
     tensors and repeats run for run (the default adaptive threshold keeps freed buffers on the heap in
-    whichever pattern the run happened to produce, and peaks vary by +-10%)."""
+    whichever pattern the run happened to produce, and peaks vary by +-10%). ``allocator``: glibc's policy for
+    the timed runs, see ``ALLOCATORS``."""
     cmd = [sys.executable, __file__, "--child", impl, "--workloads", workload, "--weights", str(weights),
            "--dtypes", dtype, "--steps", str(steps), "--warmup", str(warmup)]
     cmd += ["--threads", str(threads)] if threads else []
     cmd += ["--seqs", str(seq)] if seq else []
     cmd += ["--no-rates"] if memory else []  # the memory run measures memory only
+    cmd += ["--compile"] if compile else []
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    else:
+        env.update(ALLOCATORS[allocator])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{impl}/{workload} failed:\n{out.stderr[-3000:]}")
@@ -324,6 +367,10 @@ def main() -> None:
     parser.add_argument("--seqs", nargs="+", type=int, default=None,
                         help="sequence lengths (default: each workload's own, 512)")
     parser.add_argument("--impls", nargs="+", default=["transformers", "native"], choices=["transformers", "native"])
+    parser.add_argument("--allocator", default="default", choices=list(ALLOCATORS),
+                        help="glibc's malloc policy for the timed runs (see ALLOCATORS)")
+    parser.add_argument("--compile", action="store_true",
+                        help="native: torch.compile each block (inductor), as the recipes' compile: true does")
     parser.add_argument("--child", choices=["transformers", "native"], help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     parser.add_argument("--no-rates", action="store_true", help=argparse.SUPPRESS)
@@ -332,7 +379,7 @@ def main() -> None:
     if args.child:
         spec = with_seq(WORKLOADS[args.workloads[0]], args.seqs[0] if args.seqs else None)
         print(json.dumps(measure(args.child, spec, Path(args.weights), args.dtypes[0], args.steps, args.warmup,
-                                 args.threads, rates=not args.no_rates)))
+                                 args.threads, rates=not args.no_rates, compile=args.compile)))
         return
 
     rows = []
@@ -346,29 +393,33 @@ def main() -> None:
                     for _ in range(args.repeats):
                         for impl in args.impls:
                             result = run_child(impl, name, weights, dtype, args.steps, args.warmup, args.threads,
-                                               seq=seq)
+                                               seq=seq, allocator=args.allocator, compile=args.compile)
                             if impl not in best or result["tokens_per_cpu_s"] > best[impl]["tokens_per_cpu_s"]:
                                 best[impl] = result
                     for impl in args.impls:  # memory: one step more after warm-up, deterministic
                         peak = run_child(impl, name, weights, dtype, 1, args.warmup, args.threads, memory=True,
-                                         seq=seq)
+                                         seq=seq, compile=args.compile)
                         best[impl].update({key: peak[key] for key in ("peak_rss", "peak_above_start", "state_bytes")})
                     label = f"{name}/{with_seq(WORKLOADS[name], seq)['seq']}/{DTYPE_NAMES[dtype]}"
                     rows.append((label, best))
 
+    print(f"timed runs with glibc malloc policy '{args.allocator}' {ALLOCATORS[args.allocator]}")
     print(f"{'workload':20} {'impl':13} {'tokens/s':>9} {'tok/cpu-s':>10} {'GFLOP/s':>8} {'of shape':>9} "
-          f"{'GEMM time':>10} {'of best':>8} {'peak RSS MiB':>13} {'peak net MiB':>13} {'loss@1':>8}")
+          f"{'bound':>6} {'GEMM time':>10} {'of best':>8} {'peak RSS MiB':>13} {'peak net MiB':>13} {'loss@1':>8}")
     for name, best in rows:
         for impl, r in best.items():
             net = (r["peak_above_start"] - r["state_bytes"]) / 2**20
             print(f"{name:20} {impl:13} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:10.0f} "
-                  f"{r['model_flops_per_s'] / 1e9:8.1f} {r['of_shape']:9.0%} {r['gemm_time_share']:10.0%} "
+                  f"{r['model_flops_per_s'] / 1e9:8.1f} {r['of_shape']:9.0%} {r['of_shape_bound']:6.0%} "
+                  f"{r['gemm_time_share']:10.0%} "
                   f"{r['model_flops_per_s'] / r['best_gemm_flops_per_s']:8.0%} "
                   f"{r['peak_rss'] / 2**20:13.0f} {net:13.0f} {r['first_loss']:8.4f}")
         for impl, r in best.items():
             print(f"{name:20} {impl} GEMM rates in the same process: {r['shape_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s "
                   f"at the step's own GEMMs (best replay; they hold {r['gemm_flops_per_model_flop']:.0%} of the model "
-                  f"FLOPs), {r['best_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s at 4096^3")
+                  f"FLOPs), {r['best_gemm_flops_per_s'] / 1e9:.1f} GFLOP/s at 4096^3; per step: GEMMs "
+                  f"{r['gemm_seconds'] * 1e3:.0f} ms, attention kernels {r['attention_seconds'] * 1e3:.0f} ms, AdamW "
+                  f"{r['optimizer_seconds'] * 1e3:.0f} ms")
         if {"transformers", "native"} <= set(best):
             ours, hf = best["native"], best["transformers"]
             speed = ours["tokens_per_s"] / hf["tokens_per_s"]
