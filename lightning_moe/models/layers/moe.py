@@ -258,7 +258,9 @@ class _ProjectCopies(torch.autograd.Function):
     def backward(ctx, *grads):
         tokens, index, offsets, *weights = ctx.saved_tensors
         rows = tokens[index]
-        grad_rows = sum(grouped_mm(g, weight, offsets) for g, weight in zip(grads, weights))
+        grad_rows = grouped_mm(grads[0], weights[0], offsets)
+        for g, weight in zip(grads[1:], weights[1:]):  # in place: Python's sum would start with a copy, 0 + rows
+            grad_rows += grouped_mm(g, weight, offsets)
         grad_weights = [grouped_mm(g.t(), rows, offsets) if needed else None
                         for g, needed in zip(grads, ctx.needs_input_grad[4:])]
         return grad_rows, None, None, None, *grad_weights
