@@ -77,12 +77,13 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, causal:
     ref = G_s[..., :1, :]  # the decay at each sub-chunk's first token
     # pairs across sub-chunks: through the start of i's sub-chunk, both factors decay (<= 1)
     a_ref = a_s * torch.exp(G_s - ref)
-    to_ref = ref - G[..., None, :, :]  # [..., n (i's sub-chunk), C (j), d]
+    # a + (-b) (bitwise a - b) here and below: backward negates b's own gradient, not the broadcast one
+    to_ref = ref + (-G)[..., None, :, :]  # [..., n (i's sub-chunk), C (j), d]
     before = torch.arange(C, device=a.device)[None, :] < torch.arange(0, C, sub, device=a.device)[:, None]  # [n, C]
     b_ref = b[..., None, :, :] * torch.exp(to_ref.masked_fill(~before[..., None], float("-inf")))
     across = (a_ref @ b_ref.transpose(-1, -2)).reshape(*lead, C, C)  # [..., n, sub, C] -> [..., C, C]
     # pairs inside one sub-chunk: channel by channel
-    inside = (G_s[..., :, None, :] - G_s[..., None, :, :]).masked_fill(~torch.ones(
+    inside = (G_s[..., :, None, :] + (-G_s)[..., None, :, :]).masked_fill(~torch.ones(
         sub, sub, dtype=torch.bool, device=a.device).tril()[..., None], float("-inf"))
     b_s = b.unflatten(-2, (n, sub))
     within = (a_s[..., :, None, :] * b_s[..., None, :, :] * torch.exp(inside)).sum(-1)  # [..., n, sub, sub]
