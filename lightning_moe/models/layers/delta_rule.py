@@ -32,6 +32,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.models.layers.decay import pairwise_decay
+
 SUB_CHUNK = 16
 SOLVE_BLOCK = 16
 # chunks computed together (their intermediates are what backward holds at once)
@@ -77,13 +79,13 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, causal:
     ref = G_s[..., :1, :]  # the decay at each sub-chunk's first token
     # pairs across sub-chunks: through the start of i's sub-chunk, both factors decay (<= 1)
     a_ref = a_s * torch.exp(G_s - ref)
-    # a + (-b) (bitwise a - b) here and below: backward negates b's own gradient, not the broadcast one
+    # a + (-b), bitwise a - b: backward negates G's own gradient, not the broadcast one (as pairwise_decay)
     to_ref = ref + (-G)[..., None, :, :]  # [..., n (i's sub-chunk), C (j), d]
     before = torch.arange(C, device=a.device)[None, :] < torch.arange(0, C, sub, device=a.device)[:, None]  # [n, C]
     b_ref = b[..., None, :, :] * torch.exp(to_ref.masked_fill(~before[..., None], float("-inf")))
     across = (a_ref @ b_ref.transpose(-1, -2)).reshape(*lead, C, C)  # [..., n, sub, C] -> [..., C, C]
     # pairs inside one sub-chunk: channel by channel
-    inside = (G_s[..., :, None, :] + (-G_s)[..., None, :, :]).masked_fill(~torch.ones(
+    inside = pairwise_decay(G_s, dim=-2).masked_fill(~torch.ones(
         sub, sub, dtype=torch.bool, device=a.device).tril()[..., None], float("-inf"))
     b_s = b.unflatten(-2, (n, sub))
     within = (a_s[..., :, None, :] * b_s[..., None, :, :] * torch.exp(inside)).sum(-1)  # [..., n, sub, sub]
@@ -289,7 +291,7 @@ def _head_decay_chunks(q, k, v, g, beta, seq_idx=None, C=64, prev_doc=None, T=No
         e_start = e_start * (docs == carry_doc[..., None])[:, None]
         e_end = e_end * (docs == last_doc[..., None])[:, None]
         state_decay = state_decay * (last_doc == carry_doc)[:, None]
-    decay = torch.exp((G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")))
+    decay = torch.exp(pairwise_decay(G).masked_fill(~causal, float("-inf")))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     A = (k_beta @ k.transpose(-1, -2)) * decay
     A.diagonal(dim1=-2, dim2=-1).zero_()  # strictly lower: decay is zero above the diagonal

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_moe.models.layers.decay import pairwise_decay
+
 
 def _chunked(t: torch.Tensor, chunks: int) -> torch.Tensor:
     """[batch, seq, ...] -> [batch, chunks, chunk, ...]."""
@@ -83,8 +85,7 @@ def _ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, seq_idx):
     # 1. within chunks: y_l += sum_{s <= l} (C_l . B_s) exp(sum_{s < k <= l} dt_k A) dt_s x_s
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
     keep = causal if same_chunk_seq is None else causal & same_chunk_seq
-    # a + (-b), bitwise a - b: backward negates the [.., l] gradient, not the [.., l, s] one as a - b's would
-    segment = (log_decay[..., :, None] + (-log_decay)[..., None, :]).masked_fill(~keep, float("-inf"))
+    segment = pairwise_decay(log_decay).masked_fill(~keep, float("-inf"))
     scores = (Cg @ Bg.transpose(-1, -2)) * torch.exp(segment)  # [b, g, hg, c, l, s]
     y = scores @ xdt
 
