@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_moe.models.config import MoEConfig
@@ -79,6 +80,7 @@ def test_attention_kernels_are_captured_and_replayed_apart_from_the_gemms():
     assert {func.overloadpacket.__name__ for func, _, _ in gemms} == {"addmm", "mm"}  # forward, both gradients
     (forward, args, kwargs), _ = bench_models.Replay(attention).calls
     assert [tuple(a.shape) for a in args[:3]] == [(2, 4, 32, 4)] * 3 and args[4] is True  # q, k, v; is_causal
-    out = forward(*args, **kwargs)[0]  # the replay's own inputs give the kernel's own result
-    reference = torch.nn.functional.scaled_dot_product_attention(*args[:3], is_causal=True)
+    out = forward(*args, **kwargs)[0]  # the replayed call on its own inputs is causal attention of them
+    with sdpa_kernel(SDPBackend.MATH):  # an independent reference: SDPA's plain softmax(q k^T) v
+        reference = torch.nn.functional.scaled_dot_product_attention(*args[:3], is_causal=True)
     torch.testing.assert_close(out, reference)
