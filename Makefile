@@ -11,11 +11,11 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install quickstart test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

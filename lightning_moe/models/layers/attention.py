@@ -19,6 +19,7 @@ from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.rope import RotaryEmbedding, apply_rotary
 from lightning_moe.models.layers.sequence import SequenceLayout
 from lightning_moe.models.layers.te import require_transformer_engine, te_attention
+from lightning_moe.models.layers.upcast import upcast
 
 
 def attend(
@@ -68,8 +69,8 @@ def attend(
 
 def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     # softmax over [scores, sink] = softmax(scores) * sum(exp(scores)) / (sum(exp(scores)) + exp(sink))
-    weight = torch.sigmoid(lse.float() - sinks.float()[None, :, None])
-    return (out.float() * weight[..., None]).to(out.dtype)
+    weight = torch.sigmoid(upcast(lse) - upcast(sinks)[None, :, None])
+    return (upcast(out) * weight[..., None]).to(out.dtype)
 
 
 def _eager_with_sinks(q, k, v, mask, scale, sinks):
@@ -79,7 +80,7 @@ def _eager_with_sinks(q, k, v, mask, scale, sinks):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(v.dtype)
+    probs = torch.softmax(upcast(torch.cat([scores, sink], dim=-1)), dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v)
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.models.layers.decay import pairwise_decay
+from lightning_moe.models.layers.upcast import upcast_dtype
 
 SUB_CHUNK = 16
 SOLVE_BLOCK = 16
@@ -150,7 +151,7 @@ def _chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, seq_idx, scale):
     batch, seq_len, heads, dk = k.shape
     per_channel = g.dim() == 4
     scale = dk**-0.5 if scale is None else scale
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = upcast_dtype(q.dtype)
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     q = q * scale
     C = chunk_size

@@ -19,6 +19,7 @@ from lightning_moe.models.config import LinearAttentionConfig
 from lightning_moe.models.layers.delta_rule import chunk_gated_delta_rule, fla_gated_delta_rule, l2_normalize
 from lightning_moe.models.layers.mamba2 import CausalConv1d
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.upcast import upcast
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -35,17 +36,17 @@ class HeadGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``x``, ``gate`` [..., heads, dim] -> [..., heads, dim] in ``x``'s dtype."""
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        normed = F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps)
         if self.activation == "silu":
-            return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
-        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+            return ((self.weight * normed.to(x.dtype)) * F.silu(upcast(gate))).to(x.dtype)
+        return (upcast(self.weight) * normed * torch.sigmoid(upcast(gate))).to(x.dtype)
 
 
 def delta_rule(cfg: LinearAttentionConfig, q, k, v, g, beta, layout: SequenceLayout) -> torch.Tensor:
     """The gated delta rule over normalized ``q``/``k`` by the configured backend, fp32 output."""
     seq_idx = layout.document_ids if layout.packed else None
     if cfg.backend == "fla":
-        return fla_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens if layout.packed else None).float()
+        return upcast(fla_gated_delta_rule(q, k, v, g, beta, layout.cu_seqlens if layout.packed else None))
     return chunk_gated_delta_rule(q, k, v, g, beta, cfg.chunk_size, seq_idx)
 
 
@@ -112,11 +113,11 @@ class GatedDeltaNet(nn.Module):
         conv = F.silu(self.conv1d(qkv, layout, None if channels is None else channels[0]))
         key_width = (last - first) * cfg.head_k_dim
         q, k, v = conv.split([key_width, key_width, conv.shape[-1] - 2 * key_width], -1)
-        q = l2_normalize(q.float().view(batch, seq, -1, cfg.head_k_dim)).repeat_interleave(per, dim=2)
-        k = l2_normalize(k.float().view(batch, seq, -1, cfg.head_k_dim)).repeat_interleave(per, dim=2)
+        q = l2_normalize(upcast(q).view(batch, seq, -1, cfg.head_k_dim)).repeat_interleave(per, dim=2)
+        k = l2_normalize(upcast(k).view(batch, seq, -1, cfg.head_k_dim)).repeat_interleave(per, dim=2)
         v = v.view(batch, seq, -1, cfg.head_v_dim)
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log[heads].float()) * F.softplus(a.float() + self.dt_bias[heads].float())
+        beta = torch.sigmoid(upcast(b))
+        g = -torch.exp(upcast(self.A_log[heads])) * F.softplus(upcast(a) + upcast(self.dt_bias[heads]))
         out = delta_rule(cfg, q, k, v, g, beta, layout).to(v.dtype)
         return self.norm(out, z.view(batch, seq, -1, cfg.head_v_dim)).flatten(2)
 

@@ -19,6 +19,7 @@ from lightning_moe.models.layers.delta_rule import l2_normalize
 from lightning_moe.models.layers.gated_deltanet import HeadGatedRMSNorm, delta_rule
 from lightning_moe.models.layers.mamba2 import CausalConv1d
 from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.upcast import upcast
 
 
 class KimiDeltaAttention(nn.Module):
@@ -86,8 +87,8 @@ class KimiDeltaAttention(nn.Module):
         shape = (batch, seq, last - first, cfg.head_v_dim)
         conv = F.silu(self.conv1d(qkv, layout, None if channels is None else channels[0]))
         q, k, v = (t.reshape(shape) for t in conv.chunk(3, dim=-1))
-        q, k = l2_normalize(q.float()), l2_normalize(k.float())
+        q, k = l2_normalize(upcast(q)), l2_normalize(upcast(k))
         dt_bias = self.dt_bias if channels is None else self.dt_bias.index_select(0, channels[1])
-        g = -torch.exp(self.A_log[first:last].float())[:, None] * F.softplus(f.float() + dt_bias.float()).view(shape)
-        out = delta_rule(cfg, q, k, v, g, torch.sigmoid(b.float()), layout).to(v.dtype)
+        g = -torch.exp(upcast(self.A_log[first:last]))[:, None] * F.softplus(upcast(f) + upcast(dt_bias)).view(shape)
+        out = delta_rule(cfg, q, k, v, g, torch.sigmoid(upcast(b)), layout).to(v.dtype)
         return self.o_norm(out, gate.view(shape)).flatten(2)

@@ -14,6 +14,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_moe.models.layers.upcast import upcast, upcast_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -32,9 +34,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
         dtype = _compute_dtype(hidden)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = upcast_dtype(dtype)  # fp32 softmax and sums, float64 for a float64 model
+        loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_hidden_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight_grad else None
         # cast once, not once per chunk and matmul as autocast would
         with torch.autocast(hidden.device.type, enabled=False):
             weight_c, hidden_c = weight.to(dtype), hidden.to(dtype)
@@ -42,9 +45,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # more in page faults than the elementwise work done on it (CPU)
             rows_max = min(chunk_size, hidden.shape[0])
             logits_buf = hidden.new_empty(rows_max, weight.shape[0], dtype=dtype)
-            fp32_buf = logits_buf if dtype == torch.float32 else torch.empty_like(logits_buf, dtype=torch.float32)
+            fp32_buf = logits_buf if dtype == acc else torch.empty_like(logits_buf, dtype=acc)
             weight_grad_buf = None
-            if need_weight_grad and dtype != torch.float32:
+            if need_weight_grad and dtype != acc:
                 weight_grad_buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
             for start in range(0, hidden.shape[0], chunk_size):
                 h = hidden_c[start : start + chunk_size]
@@ -112,7 +115,7 @@ def _add_upcast_(accumulator: torch.Tensor, update: torch.Tensor, rows_per_block
         accumulator += update
         return
     for start in range(0, accumulator.shape[0], rows_per_block):
-        accumulator[start : start + rows_per_block] += update[start : start + rows_per_block].float()
+        accumulator[start : start + rows_per_block] += update[start : start + rows_per_block].to(accumulator.dtype)
 
 
 def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
@@ -156,7 +159,7 @@ def linear_cross_entropy(
     count = keep.numel()
     if count == 0:
         # keep the graph connected so every rank runs the same backward
-        return (hidden.sum() + weight.sum()).float() * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
+        return upcast(hidden.sum() + weight.sum()) * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
     if count < labels.numel():
         hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start,
@@ -180,9 +183,9 @@ class OutputLayer:
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Plain (unfused) summed cross entropy over already-computed logits, in fp32."""
+    """Plain (unfused) summed cross entropy over already-computed logits, in fp32 (float64 for float64)."""
     return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_moe.models.config import MambaConfig
 from lightning_moe.models.layers.sequence import SequenceLayout
 from lightning_moe.models.layers.ssd import ssd_chunk_scan
+from lightning_moe.models.layers.upcast import upcast
 
 
 class _CausalConv1dFunction(torch.autograd.Function):
@@ -32,20 +33,20 @@ class _CausalConv1dFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.same, ctx.has_bias = same, bias is not None
         # accumulate in fp32, as the CUDA causal-conv1d kernel does
-        dtype, x, taps = x.dtype, x.float(), weight[:, 0].float()
+        dtype, x, taps = x.dtype, upcast(x), upcast(weight[:, 0])
         out = x * taps[:, -1]
         for j in range(1, min(taps.shape[-1], x.shape[1])):
             back = x[:, :-j] if same is None else x[:, :-j] * same[j - 1]
             out[:, j:].addcmul_(back, taps[:, -1 - j])
         if bias is not None:
-            out += bias.float()
+            out += upcast(bias)
         return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         same, kernel = ctx.same, weight.shape[-1]
-        grad, xf, taps = grad.float(), x.float(), weight[:, 0].float()
+        grad, xf, taps = upcast(grad), upcast(x), upcast(weight[:, 0])
         grad_x = grad * taps[:, -1]
         grad_taps = [(grad * xf).sum((0, 1))]
         for j in range(1, min(kernel, x.shape[1])):
@@ -101,10 +102,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, channels: slice = slice(None)) -> torch.Tensor:
         """``channels``: the (whole groups of) channels ``x`` holds, when it holds a subset."""
-        h = x.float() * F.silu(gate.float())
+        h = upcast(x) * F.silu(upcast(gate))
         groups = h.unflatten(-1, (-1, self.group_size))
         normed = F.rms_norm(groups, (self.group_size,), eps=self.eps).flatten(-2)
-        return self.weight[channels].float() * normed
+        return upcast(self.weight[channels]) * normed
 
 
 class Mamba2Mixer(nn.Module):
@@ -191,11 +192,11 @@ class Mamba2Mixer(nn.Module):
         bc_size = num_groups * cfg.state_size
         conv_out = F.silu(self.conv1d(conv_in, layout, conv_channels))
         hidden, B, C = conv_out.split([num_heads * self.head_dim, bc_size, bc_size], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias[heads].float()).clamp(*cfg.time_step_limit)
+        dt = F.softplus(upcast(dt) + upcast(self.dt_bias[heads])).clamp(*cfg.time_step_limit)
         y = ssd_chunk_scan(
             hidden.reshape(batch, seq, num_heads, self.head_dim),
             dt,
-            -torch.exp(self.A_log[heads].float()),
+            -torch.exp(upcast(self.A_log[heads])),
             B.reshape(batch, seq, num_groups, cfg.state_size),
             C.reshape(batch, seq, num_groups, cfg.state_size),
             cfg.chunk_size,

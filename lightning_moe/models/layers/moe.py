@@ -17,14 +17,28 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.models.config import MoEConfig
 from lightning_moe.models.layers.mlp import MLP
+from lightning_moe.models.layers.upcast import upcast
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm``: row groups of ``a`` [N, in] (ends ``offs``) times the matrices of ``b`` [G, in, out];
     or, both 2-d, ``a`` [out, N] times ``b`` [N, in] summed per group -> [G, out, in] (a weight gradient)."""
+    if a.dtype == torch.float64:
+        return _looped_grouped_mm(a, b, offs)
     if a.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
         return torch._grouped_mm(a, b, offs=offs)
     return _eager_grouped_mm(a, b, offs)
+
+
+def _looped_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The same products group by group, for float64 (which ``torch._grouped_mm`` has no kernel for: a float64
+    model is a test reference); reads the group ends on the host."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if a.dim() == 2 and b.dim() == 2:
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+    rows = [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    return torch.cat([*rows, a.new_zeros(a.shape[0] - ends[-1], b.shape[-1])])
 
 
 @torch.compiler.disable
@@ -74,10 +88,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
-        bias = None if self.bias is None else self.bias.float()
+        bias = None if self.bias is None else upcast(self.bias)
         # fp32 logits even under autocast (bf16-mixed), which would run this matmul in bf16
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float(), bias)
+            logits = F.linear(upcast(x), upcast(self.weight), bias)
         scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
         if cfg.force_balanced:
             slots = torch.arange(x.shape[0] * cfg.top_k, device=x.device)

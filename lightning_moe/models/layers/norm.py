@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 and cast back, as the Hugging Face reference models do.
+"""RMSNorm, computed in fp32 (float64 for float64 inputs) and cast back, as the Hugging Face reference models do.
 
 Backward keeps only the input and its per-row ``rstd`` (:class:`_RMSNormFunction`) and recomputes the normalized
 rows: autograd through the same expression would also keep the fp32 copy of a bf16 input and the normalized rows,
@@ -12,10 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.models.layers.upcast import upcast
+
 
 def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``x * rstd`` and ``rstd`` [..., 1]: the expression ``F.rms_norm`` computes, bitwise."""
-    xf = x.float()
+    xf = upcast(x)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf * rstd, rstd
 
@@ -25,9 +27,9 @@ def _scaled(normed: torch.Tensor, weight: torch.Tensor, form: str, dtype: torch.
     and most others), ``"fp32"`` multiplies in fp32 and casts the product (GPT-OSS, Nemotron-H), ``"offset"``
     scales by 1 + weight in fp32 (Qwen3-Next, Qwen3.5)."""
     if form == "offset":
-        return (normed * (1.0 + weight.float())).to(dtype)
+        return (normed * (1.0 + upcast(weight))).to(dtype)
     if form == "fp32":
-        return (weight.float() * normed).to(dtype)
+        return (upcast(weight) * normed).to(dtype)
     return weight * normed.to(dtype)
 
 
@@ -42,9 +44,9 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad = grad.float()
-        scale = 1.0 + weight.float() if ctx.form == "offset" else weight.float()
+        normed = upcast(x) * rstd
+        grad = upcast(grad)
+        scale = 1.0 + upcast(weight) if ctx.form == "offset" else upcast(weight)
         grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
         grad_normed = grad * scale
         grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))

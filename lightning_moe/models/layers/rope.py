@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.config import RopeConfig
+from lightning_moe.models.layers.upcast import upcast_dtype
 
 
 def rotary_dim(cfg: RopeConfig, head_dim: int) -> int:
@@ -94,7 +95,8 @@ class RotaryEmbedding(nn.Module):
         return self._inv_freq[device]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
+        # fp32 angles (float64 for a float64 model) whatever the activations' dtype, as the references compute them
+        freqs = position_ids[..., None].to(upcast_dtype(dtype)) * self.inv_freq(position_ids.device)
         if self.cfg.interleave:
             emb = freqs.repeat_interleave(2, dim=-1)
         else:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_moe.models.layers.decay import pairwise_decay
+from lightning_moe.models.layers.upcast import upcast
 
 
 def _chunked(t: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -51,8 +52,8 @@ def _ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, seq_idx):
     groups = B.shape[2]
     per_group = heads // groups
     pad = (-seq_len) % chunk_size
-    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
-    skip = x * D.float()[:, None] if D is not None else None
+    x, dt, B, C = upcast(x), upcast(dt), upcast(B), upcast(C)
+    skip = x * upcast(D)[:, None] if D is not None else None
     if pad:
         # zero steps: no decay and no input, so padding changes nothing before it
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -71,7 +72,7 @@ def _ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, seq_idx):
         return _chunked(t, chunks).permute(0, 3, 1, 2, 4).unsqueeze(2)
 
     xdt = by_head(x * dt[..., None])  # [b, g, hg, c, l, p]
-    log_decay = torch.cumsum(by_head(dt * A.float()), dim=-1)  # [b, g, hg, c, l]
+    log_decay = torch.cumsum(by_head(dt * upcast(A)), dim=-1)  # [b, g, hg, c, l]
     Bg, Cg = by_group(B), by_group(C)  # [b, g, 1, c, l, n]
 
     same_chunk_seq = end_seq = carry_seq = None
