@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers_reference import (
+    assert_logits_match,
+    assert_packed_logits_match,
+    assert_step_gradients_match,
+)
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name, family_for_hf_config
 
-TOL = 1e-4
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
@@ -131,51 +135,28 @@ def test_round_trip_is_bitwise(tmp_path, checkpoint):
 
 def test_logits_equal_transformers(checkpoint):
     hf, path = checkpoint
-    native = load_pretrained(path)
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected, got = hf(ids).logits, native(ids)
-    assert expected.abs().max() > 1.0
-    assert (got - expected).abs().max().item() <= TOL
+    assert_logits_match(load_pretrained(path), hf, ids)
 
 
 def test_packed_row_equals_sequences_alone(checkpoint):
     hf, path = checkpoint
-    native = load_pretrained(path)
     lengths = [5, 70, 1, 20]
     gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        got = native(torch.cat(seqs)[None], position_ids=positions)[0]
-        expected = torch.cat([hf(s[None]).logits[0] for s in seqs])
-    assert (got - expected).abs().max().item() <= TOL
+    assert_packed_logits_match(load_pretrained(path), hf, [torch.randint(0, 128, (n,), generator=gen) for n in lengths])
 
 
 def test_training_step_gradients_match_transformers(checkpoint):
-    import torch.nn.functional as F
-
     hf, path = checkpoint
-    native = load_pretrained(path).train()
-    hf = hf.train()
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
-    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    native(ids, labels=labels).loss_sum.backward()
-    F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
-    hf.eval()
-    theirs = dict(hf.named_parameters())
-    ours = dict(native.named_parameters())
-    pairs = {
+    assert_step_gradients_match(load_pretrained(path), hf, ids, {
+        "layers.0.kda.A_log": "model.layers.0.self_attn.forget_gate.A_log",
         "layers.0.kda.dt_bias": "model.layers.0.self_attn.forget_gate.dt_bias",
         "layers.0.kda.f_b_proj.weight": "model.layers.0.self_attn.forget_gate.f_b_proj.weight",
         "layers.0.kda.g_a_proj.weight": "model.layers.0.self_attn.g_a_proj.weight",
         "layers.0.kda.conv1d.weight": "model.layers.0.self_attn.conv1d.weight",
         "layers.4.attn.kv_b_proj.weight": "model.layers.2.self_attn.kv_b_proj.weight",
-    }
-    for mine, ref in pairs.items():
-        torch.testing.assert_close(ours[mine].grad, theirs[ref].grad, atol=1e-4, rtol=1e-3, msg=mine)
-    torch.testing.assert_close(ours["layers.0.kda.A_log"].grad, theirs["model.layers.0.self_attn.forget_gate.A_log"]
-                               .grad.flatten(), atol=1e-4, rtol=1e-3)
+    })
 
 
 def test_transformers_saved_checkpoint_round_trips_bitwise(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from closeness import assert_matches_float64_reference
 
 from lightning_moe.models.config import MambaConfig
 from lightning_moe.models.layers.mamba2 import Mamba2Mixer
@@ -115,26 +116,34 @@ def mixer_pair(seed=0, **overrides):
     return theirs, ours
 
 
+def gradients(model, loss, inputs):
+    """``loss(model, inputs)`` backward: its value, the inputs' and every weight's gradient by name."""
+    leaves = [x.to(next(model.parameters()).dtype).requires_grad_() for x in inputs]
+    value = loss(model, leaves)
+    value.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return {"loss": value.detach(), **grads, **{f"input {i}": x.grad for i, x in enumerate(leaves)}}
+
+
 @pytest.mark.parametrize("seq", [7, 29])
 def test_mixer_matches_transformers(seq):
     theirs, ours = mixer_pair()
     x = torch.randn(2, seq, 32)
     layout = SequenceLayout.from_inputs(x[..., 0].long(), None)
-    torch.testing.assert_close(ours(x, layout), theirs(x), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        assert_matches_float64_reference(ours, theirs, lambda m: m(x.to(m.out_proj.weight.dtype), layout),
+                                         lambda m: m(x.double()), what="mixer")
 
 
 def test_mixer_gradients_match_transformers():
     theirs, ours = mixer_pair(seed=1, chunk_size=16)
     theirs.train()
     x = torch.randn(2, 40, 32)
-    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
     weights = torch.randn(2, 40, 32)
-    (ours(x_ours, SequenceLayout.from_inputs(x[..., 0].long(), None)) * weights).sum().backward()
-    (theirs(x_theirs) * weights).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_theirs.grad, atol=1e-4, rtol=1e-4)
-    mine = dict(ours.named_parameters())
-    for name, p in theirs.named_parameters():
-        torch.testing.assert_close(mine[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=name)
+    layout = SequenceLayout.from_inputs(x[..., 0].long(), None)
+    assert_matches_float64_reference(
+        ours, theirs, lambda m: gradients(m, lambda m, xs: (m(xs[0], layout) * weights.to(xs[0].dtype)).sum(), [x]),
+        lambda m: gradients(m, lambda m, xs: (m(xs[0]) * weights.double()).sum(), [x]), what="mixer step")
 
 
 def test_packed_row_equals_each_sequence_alone():
@@ -143,19 +152,18 @@ def test_packed_row_equals_each_sequence_alone():
     theirs, ours = mixer_pair(seed=2)
     lengths = [3, 13, 1, 9]  # a 1-token sequence, starts inside and on chunk boundaries (chunk 8)
     parts = [torch.randn(1, n, 32) for n in lengths]
-    weights = [torch.randn(1, n, 32) for n in lengths]
+    weights = torch.cat([torch.randn(1, n, 32) for n in lengths], dim=1)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    packed_in = torch.cat(parts, dim=1).requires_grad_()
-    packed = ours(packed_in, SequenceLayout.from_inputs(position_ids, position_ids))
-    (packed * torch.cat(weights, dim=1)).sum().backward()
-    alone_in = [p.clone().requires_grad_() for p in parts]
-    want = [theirs(p) for p in alone_in]
-    sum((w * y).sum() for w, y in zip(weights, want)).backward()
-    torch.testing.assert_close(packed, torch.cat(want, dim=1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(packed_in.grad, torch.cat([p.grad for p in alone_in], dim=1), atol=1e-5, rtol=1e-5)
-    mine = dict(ours.named_parameters())
-    for name, p in theirs.named_parameters():
-        torch.testing.assert_close(mine[name].grad, p.grad, atol=1e-4, rtol=1e-4, msg=name)
+    layout = SequenceLayout.from_inputs(position_ids, position_ids)
+
+    def packed(model, xs):
+        return (model(xs[0], layout) * weights.to(xs[0].dtype)).sum()
+
+    def alone(model, xs):
+        return (torch.cat([model(p) for p in xs[0].split(lengths, dim=1)], dim=1) * weights.double()).sum()
+
+    assert_matches_float64_reference(ours, theirs, lambda m: gradients(m, packed, [torch.cat(parts, dim=1)]),
+                                     lambda m: gradients(m, alone, [torch.cat(parts, dim=1)]), what="packed step")
 
 
 def test_reset_parameters_follows_mamba_init():

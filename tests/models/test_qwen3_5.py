@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from closeness import assert_matches_float64_reference
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_for_hf_config
 
-TOL = 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12,
               linear_num_key_heads=2, linear_num_value_heads=4,
@@ -57,16 +57,19 @@ def test_config_and_round_trip(tmp_path, checkpoint):
 
 def test_logits_plain_and_packed_equal_transformers(checkpoint):
     _, hf, path = checkpoint
-    native = load_pretrained(path)
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
     lengths = [30, 66, 4]
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
+
+    def native_logits(model):
+        return {"plain": model(ids), "packed": model(torch.cat(seqs)[None], position_ids=positions)[0]}
+
+    def transformers_logits(model):
+        return {"plain": model(ids).logits, "packed": torch.cat([model(s[None]).logits[0] for s in seqs])}
+
     with torch.no_grad():
-        expected = hf(ids).logits
-        assert expected.abs().max() > 1.0
-        assert (native(ids) - expected).abs().max().item() <= TOL
-        packed = native(torch.cat(seqs)[None], position_ids=positions)[0]
-        alone = torch.cat([hf(s[None]).logits[0] for s in seqs])
-    assert (packed - alone).abs().max().item() <= TOL
+        assert hf(ids).logits.abs().max() > 1.0
+        assert_matches_float64_reference(load_pretrained(path), hf, native_logits, transformers_logits,
+                                         what="logits")

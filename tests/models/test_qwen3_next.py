@@ -8,13 +8,17 @@ import json
 
 import pytest
 import torch
+from transformers_reference import (
+    assert_logits_match,
+    assert_packed_logits_match,
+    assert_step_gradients_match,
+)
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name, family_for_hf_config
 
-TOL = 1e-4
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
@@ -103,51 +107,27 @@ def test_round_trip_is_bitwise(tmp_path, checkpoint):
 
 def test_logits_equal_transformers(checkpoint):
     hf, path = checkpoint
-    native = load_pretrained(path)
     # 70 tokens: two chunks of 64 with a partial second one
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected, got = hf(ids).logits, native(ids)
-    assert expected.abs().max() > 1.0
-    assert (got - expected).abs().max().item() <= TOL
+    assert_logits_match(load_pretrained(path), hf, ids)
 
 
 def test_packed_row_equals_sequences_alone(checkpoint):
     hf, path = checkpoint
-    native = load_pretrained(path)
     lengths = [5, 70, 1, 20]  # a sequence across the chunk boundary (64), a 1-token one
     gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    with torch.no_grad():
-        got = native(torch.cat(seqs)[None], position_ids=positions)[0]
-        expected = torch.cat([hf(s[None]).logits[0] for s in seqs])
-    assert (got - expected).abs().max().item() <= TOL
+    assert_packed_logits_match(load_pretrained(path), hf, [torch.randint(0, 128, (n,), generator=gen) for n in lengths])
 
 
 def test_training_step_gradients_match_transformers(checkpoint):
     """Loss and the gradients of the mixer and MoE weights equal transformers' on the same batch."""
-    import torch.nn.functional as F
-
     hf, path = checkpoint
-    native = load_pretrained(path).train()
-    hf = hf.train()
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
-    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
-    out = native(ids, labels=labels)
-    out.loss_sum.backward()
-    logits = hf(ids).logits
-    F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
-    hf.eval()
-    params = dict(hf.named_parameters())
-    pairs = {
+    assert_step_gradients_match(load_pretrained(path), hf, ids, {
         "layers.0.gdn.A_log": "model.layers.0.linear_attn.A_log",
         "layers.0.gdn.dt_bias": "model.layers.0.linear_attn.dt_bias",
         "layers.0.gdn.conv1d.weight": "model.layers.0.linear_attn.conv1d.weight",
         "layers.0.gdn.out_proj.weight": "model.layers.0.linear_attn.out_proj.weight",
         "layers.4.attn.q_proj.weight": "model.layers.2.self_attn.q_proj.weight",
         "layers.1.moe.shared_expert_gate.weight": "model.layers.0.mlp.shared_expert_gate.weight",
-    }
-    for ours, theirs in pairs.items():
-        mine = dict(native.named_parameters())[ours].grad
-        torch.testing.assert_close(mine, params[theirs].grad, atol=1e-4, rtol=1e-3, msg=ours)
+    })
