@@ -29,7 +29,7 @@ def test_rendered_script_is_valid_bash_with_one_task_per_gpu(capsys, tmp_path, n
     for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --time=01:30:00",
                  "#SBATCH --partition=batch", "#SBATCH --account=proj",
-                 "#SBATCH --output=runs/qwen3_moe_30b_benchmark/logs/%x-%j.out",
+                 f"#SBATCH --output={Path.cwd()}/runs/qwen3_moe_30b_benchmark/logs/%x-%j.out", f"#SBATCH --chdir={Path.cwd()}",
                  "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'export MASTER_PORT="${MASTER_PORT:-'):
         assert line in script
     assert "srun --kill-on-bad-exit=1" in script
