@@ -103,6 +103,7 @@ def run_training_cli(argv: list[str] | None, raise_config_errors: bool = False) 
     """LightningCLI's fit / validate / test / predict; ``raise_config_errors``: a configuration error raises
     jsonargparse's ``ArgumentError`` instead of printing the usage and exiting."""
     from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import CSVLogger
 
@@ -126,9 +127,12 @@ def run_training_cli(argv: list[str] | None, raise_config_errors: bool = False) 
             trainer = super().instantiate_trainer(**kwargs)
             trainer.callbacks[:] = replace_lightning_defaults(add_missing_callbacks(list(trainer.callbacks)),
                                                               terminal=sys.stdout.isatty())
-            # fast_dev_run keeps Lightning's stand-in logger: a trial run writes no logs
             settings = self.config[self.subcommand]["trainer"]
-            if settings.get("logger") in (None, True) and not trainer.fast_dev_run:
+            if trainer.fast_dev_run:
+                # a trial run writes nothing: Lightning's stand-in logger stays, and its ModelCheckpoint, which skips
+                # fast_dev_run's saves, would still write last.ckpt at the end of training
+                trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, ModelCheckpoint)]
+            elif settings.get("logger") in (None, True):
                 trainer.loggers = default_loggers(trainer.default_root_dir)
             return trainer
 
