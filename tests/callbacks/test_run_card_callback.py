@@ -121,3 +121,32 @@ def test_long_runs_keep_an_evenly_thinned_series():
     steps = list(series.by_step)
     assert 50 <= len(steps) <= 100
     assert steps == list(range(series.stride, 1001, series.stride)) and series.stride == 16
+
+
+def test_an_early_stop_is_named_and_later_commands_leave_the_card(tmp_path):
+    """EarlyStopping's reason is the card's status; a validate and a failing predict on the same trainer afterwards
+    (as a notebook does) neither rewrite nor replace it."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class Evaluated(TinyLM):
+        def validation_step(self, batch, batch_idx):
+            out = self.model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+            self.log("val/loss", out.loss_sum / out.num_label_tokens)
+
+        def predict_step(self, batch, batch_idx):
+            raise ValueError("no prompts here")
+
+    stop = EarlyStopping(monitor="val/loss", stopping_threshold=100.0)  # any finite loss is below it
+    trainer = make_trainer(tmp_path, [RunCard(print_card=False), stop], max_steps=20, val_check_interval=2)
+    module = Evaluated()
+    trainer.fit(module, loader(), loader(rows=4))
+    path = tmp_path / "run" / "version_0" / "run_card.json"
+    card = json.loads(path.read_text())
+    assert trainer.global_step == 2 < 20
+    assert card["status"] == f"stopped early by EarlyStopping at step 2: {stop.stopping_reason_message}"
+    assert "Stopping threshold reached" in card["status"]
+    written = path.read_text()
+    trainer.validate(module, loader(rows=4))
+    with pytest.raises(ValueError, match="no prompts here"):
+        trainer.predict(module, loader(rows=4))
+    assert path.read_text() == written

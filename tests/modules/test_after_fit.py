@@ -261,3 +261,16 @@ def test_fast_dev_run_writes_nothing(tmp_path):
     main(["fit", "--config", "configs/quickstart.yaml", "--config", str(overlay), "--trainer.fast_dev_run", "2",
           "--trainer.default_root_dir", str(tmp_path / "run"), f"--trainer.callbacks+={json.dumps(checkpoints)}"])
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").rglob("*"))
+
+
+def test_a_recipe_seed_wins_over_seed_everything():
+    import lightning as L
+
+    from lightning_moe import CausalLM, ModelConfig, SFTDataModule
+
+    config = ModelConfig(vocab_size=64, hidden_size=16, pattern="*-")
+    data = {"tokenizer": "data/tokenizer", "dataset": "data/tulu3_sample.jsonl"}
+    assert (CausalLM(model=config).seed, SFTDataModule(**data).seed) == (0, 1234)  # no seed anywhere: the defaults
+    L.seed_everything(2)
+    assert (CausalLM(model=config).seed, SFTDataModule(**data).seed) == (2, 2)
+    assert (CausalLM(model=config, seed=7).seed, SFTDataModule(**data, seed=5).seed) == (7, 5)
