@@ -335,15 +335,15 @@ class SFTDataModule(BaseDataModule):
         return self._train_loader(self.train_dataset, self._collator(self.train_dataset))
 
     def val_dataloader(self) -> DataLoader | list:
-        if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset_packed is None:
-            return self.no_eval_data("validation", "val_dataset (or val_packed_path)")
-        return self._eval_loader(self.val_dataset_packed, self._collator(self.val_dataset_packed))
+        return self._split_loader("validate", "val_dataset_packed", "validation", "val_dataset (or val_packed_path)")
 
     def test_dataloader(self) -> DataLoader | list:
+        return self._split_loader("test", "test_dataset_packed", "test", "test_dataset or val_dataset")
+
+    def _split_loader(self, stage: str, attribute: str, what: str, keys: str) -> DataLoader | list:
         if self.train_dataset is None:
-            self.setup("test")
-        if self.test_dataset_packed is None:
-            return self.no_eval_data("test", "test_dataset or val_dataset")
-        return self._eval_loader(self.test_dataset_packed, self._collator(self.test_dataset_packed))
+            self.setup(stage)
+        dataset = getattr(self, attribute)
+        if dataset is None:
+            return self.no_eval_data(what, keys)
+        return self._eval_loader(dataset, self._collator(dataset))

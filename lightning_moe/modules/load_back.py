@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.run import read_run_checkpoint
-from lightning_moe.checkpoint.training import check_complete
 
 
 def instantiate_from_hparams(cls: type, hparams: dict[str, Any], where: object) -> Any:
@@ -44,7 +43,6 @@ def load_run_module(cls: type, path: str | Path, *, device: Any = None, strict: 
     """The ``cls`` module of checkpoint ``path`` with its trained weights, in eval mode on ``device`` (default
     CPU); ``overrides`` replace hyperparameters."""
     path = Path(path).expanduser()
-    check_complete(path)
     checkpoint = read_run_checkpoint(path)
     hparams = {**(checkpoint.get("hyper_parameters") or {}), **(overrides or {})}
     module = instantiate_from_hparams(cls, hparams, path)
