@@ -15,7 +15,7 @@
     lightning-moe slurm --config recipe.yaml [--nodes N --gpus-per-node G ...] [--dry-run | --submit]
 
 A mistake in the command line, the recipe, the data or a checkpoint is printed as a short message naming the
-key, file or row, with exit status 1; LIGHTNING_MOE_DEBUG=1 shows the traceback.
+key, file or row, with exit status 1 (2 for the command line and recipe); LIGHTNING_MOE_DEBUG=1 shows the traceback.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class StepLines(ProgressBar):
 
     @property
     def is_enabled(self) -> bool:
-        return self._enabled and self.trainer.is_global_zero
+        return self._enabled and (self._trainer is None or self._trainer.is_global_zero)
 
     def _write(self, text: str) -> None:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.source import open_checkpoint
-from lightning_moe.data.tokenizer import tokenizer_files
+from lightning_moe.data.tokenizer import load_tokenizer, tokenizer_files
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -425,6 +425,8 @@ class CausalLM(L.LightningModule):
         if self._tokenizer_cache is None:
             data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
             tokenizer = getattr(data, "processor", None) or getattr(data, "tokenizer", None)
+            if not hasattr(tokenizer, "save_pretrained") and getattr(data, "tokenizer_path", None):
+                tokenizer = load_tokenizer(data.tokenizer_path)  # data that reads its tokenizer for one id (EOD)
             self._tokenizer_cache = tokenizer_files(tokenizer) if hasattr(tokenizer, "save_pretrained") else {}
         return self._tokenizer_cache
 

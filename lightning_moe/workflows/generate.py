@@ -75,7 +75,7 @@ def load_for_generation(ckpt: str | None, hf: str | None, tokenizer: str | None,
 
 
 def _tokenizer_and_config(folder: Path | None, tokenizer: str | None, config_class, flag: str) -> tuple[Any, Any]:
-    if tokenizer is None and (folder is None or not any(folder.glob("tokenizer*"))):
+    if tokenizer is None and (folder is None or not (folder / "tokenizer_config.json").is_file()):
         raise ValueError(f"{flag}: the model comes with no tokenizer (the run's data module had none); "
                          f"name one with --tokenizer")
     loaded = load_tokenizer(tokenizer or str(folder))
