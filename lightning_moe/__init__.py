@@ -6,6 +6,9 @@ The public names below are imported on first use, so ``import lightning_moe`` st
 from __future__ import annotations
 
 from lightning_moe.lazy import lazy_exports
+from lightning_moe.quiet import quiet_known_noise
+
+quiet_known_noise()  # before any optional dependency is imported
 
 __version__ = "0.1.0"
 
@@ -18,7 +21,7 @@ _PUBLIC = {
     "SchedulerConfig": "lightning_moe.modules.optim",
     "ModelConfig": "lightning_moe.models.config",
     "Decoder": "lightning_moe.models.decoder",
-    "load_pretrained": "lightning_moe.checkpoint.load",
+    "load_pretrained": "lightning_moe.modules.restore",
     "import_hf_checkpoint": "lightning_moe.checkpoint.convert",
     "export_hf_checkpoint": "lightning_moe.checkpoint.convert",
     "verify_hf_checkpoints": "lightning_moe.checkpoint.convert",
@@ -32,6 +35,7 @@ _PUBLIC = {
     "PeakMemory": "lightning_moe.callbacks.memory",
     "HealthCheck": "lightning_moe.callbacks.health",
     "RunCard": "lightning_moe.callbacks.run_card",
+    "PromptsDataModule": "lightning_moe.data",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -5,7 +5,9 @@
                         [--venv DIR] [--dry-run | --submit] [-- FIT ARGUMENTS ...]
 
 Nodes and GPUs per node default to the recipe's ``trainer.num_nodes`` and ``trainer.devices``; the recipe's
-parallel sizes are checked against their product before anything is written. Without ``--dry-run`` the script
+parallel sizes are checked against their product before anything is written. The job runs in the directory the
+script was rendered in (``#SBATCH --chdir``), so the recipe's relative paths (``data/...``) mean what they mean
+here, wherever the script is submitted from; the recipe and the run directory are written as absolute paths. Without ``--dry-run`` the script
 is written to ``RUN_DIR/sbatch.sh`` (``RUN_DIR``: ``--run-dir`` or the recipe's ``trainer.default_root_dir``);
 only ``--submit`` hands it to ``sbatch``. Arguments after ``--`` are passed on to ``lightning-moe fit``.
 """
@@ -79,10 +81,14 @@ def render(template: str, values: dict[str, str]) -> str:
     return PLACEHOLDER.sub(substitute, template)
 
 
-def script_values(args: argparse.Namespace, recipe: dict[str, Any], fit_args: list[str]) -> dict[str, str]:
+def run_directory(args: argparse.Namespace, recipe: dict[str, Any]) -> Path:
     trainer = recipe.get("trainer") or {}
-    config = Path(args.config)
-    run_dir = args.run_dir or trainer.get("default_root_dir") or f"runs/{config.stem}"
+    return Path(args.run_dir or trainer.get("default_root_dir") or f"runs/{Path(args.config).stem}").absolute()
+
+
+def script_values(args: argparse.Namespace, recipe: dict[str, Any], fit_args: list[str]) -> dict[str, str]:
+    config = Path(args.config).absolute()
+    run_dir = str(run_directory(args, recipe))
     directives = [f"#SBATCH --{key}={value}" for key, value in
                   (("partition", args.partition), ("account", args.account)) if value]
     container = ""
@@ -96,6 +102,8 @@ def script_values(args: argparse.Namespace, recipe: dict[str, Any], fit_args: li
         "# the environment: the container image, or the submitting shell's (sbatch exports it)"
     return {
         "job_name": args.job_name or config.stem,
+        "submit_dir": str(Path.cwd()),  # an #SBATCH directive: sbatch reads it unquoted
+        "submit_dir_quoted": shlex.quote(str(Path.cwd())),
         "config": shlex.quote(str(config)),
         "nodes": str(args.nodes),
         "gpus_per_node": str(args.gpus_per_node),
@@ -123,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError(f"--nodes {args.nodes} and --gpus-per-node {args.gpus_per_node} must be positive")
         check_parallel_sizes(trainer, args.nodes * args.gpus_per_node)
+        if args.venv and args.container_image:
+            print(f"lightning-moe slurm: warning: --venv {args.venv} and --container-image {args.container_image} "
+                  f"both given: the venv is activated outside the container, and its PATH (carried into the "
+                  f"container) may run a Python the image does not have; give one of them", file=sys.stderr)
         values = script_values(args, recipe, fit_args)
         template = Path(args.template)
         if not template.is_file():
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    run_dir = Path(args.run_dir or trainer.get("default_root_dir") or f"runs/{Path(args.config).stem}")
+    run_dir = run_directory(args, recipe)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # sbatch does not create the log folder
     path = run_dir / "sbatch.sh"
     path.write_text(script)

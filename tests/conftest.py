@@ -31,19 +31,21 @@ def fresh_kernel_checks():
 
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
                    "LOCAL_WORLD_SIZE")
+# seed_everything records its seed here, and the weights and data order of later runs in the process follow it
+SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind():
     """Each test starts and ends with no process group and no launcher variables: a group left by a test that
     trained in this process keeps its store's port open, and a MASTER_PORT left in the environment sends every
-    later subprocess launch to that port (EADDRINUSE)."""
+    later subprocess launch to that port (EADDRINUSE). Nor with a seed_everything seed another test set."""
     import torch.distributed as dist
 
     def clear() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        for name in DISTRIBUTED_ENV:
+        for name in DISTRIBUTED_ENV + SEED_ENV:
             os.environ.pop(name, None)
 
     clear()

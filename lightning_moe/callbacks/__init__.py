@@ -1,7 +1,8 @@
 """Callbacks Lightning lacks: throughput (tokens/s/GPU, TFLOP/s/GPU, MFU), peak memory, health (NaN/inf
 skip or stop), preemption (SIGTERM / Slurm requeue: save at the step's end, then exit or requeue) and the run
-card (``run_card.json`` / ``run_card.md``); a progress bar in optimizer steps and a model summary with model
-FLOPs in place of Lightning's.
+card (``run_card.json`` / ``run_card.md``); a progress bar in optimizer steps (plain lines when the output is not
+a terminal), validation intervals in optimizer steps, ``predict`` results as JSON lines, and a model summary with
+model FLOPs in place of Lightning's.
 
 Imported on first use, so ``lightning-moe report`` does not load Lightning.
 """
@@ -16,9 +17,12 @@ _PUBLIC = {
     "PeakMemory": "lightning_moe.callbacks.memory",
     "Preempted": "lightning_moe.callbacks.preemption",
     "Preemption": "lightning_moe.callbacks.preemption",
+    "PredictionWriter": "lightning_moe.callbacks.prediction_writer",
     "RunCard": "lightning_moe.callbacks.run_card",
+    "StepLines": "lightning_moe.callbacks.step_lines",
     "StepProgressBar": "lightning_moe.callbacks.progress",
     "Throughput": "lightning_moe.callbacks.throughput",
+    "ValidationInSteps": "lightning_moe.callbacks.validation_steps",
 }
 
 __all__ = sorted(_PUBLIC)

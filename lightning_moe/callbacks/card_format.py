@@ -39,12 +39,24 @@ def _model(model: dict[str, Any]) -> str:
     return text
 
 
-def _peak_memory(card: dict[str, Any]) -> tuple[str, str]:
-    if card.get("peak_allocated_gib") is None and card.get("peak_rss_gib") is not None:
-        # no device allocator (CPU): the process's resident set is the memory the run held
-        return "Peak memory (process RSS)", _number(card["peak_rss_gib"], ".2f", " GiB")
-    return ("Peak memory allocated / reserved", f"{_number(card.get('peak_allocated_gib'), '.2f')} / "
-                                                f"{_number(card.get('peak_reserved_gib'), '.2f')} GiB")
+def _peak_memory(card: dict[str, Any]) -> list[tuple[str, str]]:
+    rss = ("Peak process RSS", _number(card.get("peak_rss_gib"), ".2f", " GiB"))
+    if card.get("peak_allocated_gib") is None:  # no device allocator (CPU): the resident set is the run's memory
+        return [rss]
+    return [("Peak memory allocated / reserved", f"{_number(card.get('peak_allocated_gib'), '.2f')} / "
+                                                 f"{_number(card.get('peak_reserved_gib'), '.2f')} GiB"), rss]
+
+
+def _unit(card: dict[str, Any]) -> str:
+    """What the per-device rates are per: a GPU, or on the CPU each process (the JSON keys say ``per_gpu``)."""
+    return "process" if card.get("device") in (None, "cpu") else "GPU"
+
+
+def _seeds(seeds: dict[str, Any] | None) -> str:
+    if not seeds:
+        return "n/a"
+    return (f"seed_everything {_number(seeds.get('seed_everything'), 'd')}, weights {_number(seeds.get('model'), 'd')}, "
+            f"data order {_number(seeds.get('data'), 'd')}")
 
 
 def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
@@ -52,6 +64,7 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
     versions = ", ".join(f"{k} {v}" for k, v in card["versions"].items() if v)
     window = card.get("averaged_steps")
     mfu = card.get("mfu")
+    unit = _unit(card)
     return [
         ("Status", card["status"]),
         ("Model", _model(card["model"])),
@@ -63,19 +76,20 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         ("Sequence length", _number(card["seq_length"])),
         ("Precision", card["precision"]),
         ("Steps", f"{card['steps']} of {card['max_steps']}"),
+        ("Seeds", _seeds(card.get("seeds"))),
         ("Initial loss", _number(card["initial_loss"], ".4f")),
         ("Final loss", _number(card["final_loss"], ".4f")),
         (f"Step time (mean of last {window} steps)" if window else "Step time", _number(card.get("step_time_s"), ".4g", " s")),
-        ("Tokens/s/GPU", _number(card.get("tokens_per_s_per_gpu"), ",.0f")),
-        ("Label tokens/s/GPU", _number(card.get("label_tokens_per_s_per_gpu"), ",.0f")),
-        *([("Images/s/GPU", _number(card["images_per_s_per_gpu"], ",.4g"))] if "images_per_s_per_gpu" in card else []),
-        ("Model TFLOP/s/GPU", _number(card.get("tflops_per_gpu"), ".4g")),
+        (f"Tokens/s/{unit}", _number(card.get("tokens_per_s_per_gpu"), ",.0f")),
+        (f"Label tokens/s/{unit}", _number(card.get("label_tokens_per_s_per_gpu"), ",.0f")),
+        *([(f"Images/s/{unit}", _number(card["images_per_s_per_gpu"], ",.4g"))] if "images_per_s_per_gpu" in card
+          else []),
+        (f"Model TFLOP/s/{unit}", _number(card.get("tflops_per_gpu"), ".4g")),
         ("MFU", "n/a (device peak unknown)" if mfu is None else f"{100 * mfu:.1f} % of {card['peak_flops_per_gpu'] / 1e12:.4g} TFLOP/s"
                 + (f" ({card['peak_flops_source']})" if card.get("peak_flops_source") else "")),
         ("Device", card.get("device") or "n/a"),
         ("FLOPs counted by", card.get("flops_method") or "n/a"),
-        _peak_memory(card),
-        ("Peak process RSS", _number(card.get("peak_rss_gib"), ".2f", " GiB")),
+        *_peak_memory(card),
         ("Skipped / NaN steps", f"{_number(card.get('skipped_steps'))} / {_number(card.get('nan_steps'))}"),
         ("Checkpoints", "<br>".join(f"`{p}`" for p in card["checkpoints"]) or "none"),
         ("Logs", "<br>".join(f"{entry['logger']}: `{entry['location']}`" for entry in card.get("loggers", []))
@@ -105,13 +119,14 @@ def _kernel_checks(checks: list[dict[str, Any]] | None) -> str:
     return "<br>".join(parts)
 
 
-def _series_table(series: dict[str, list]) -> list[str]:
+def _series_table(series: dict[str, list], unit: str = "GPU") -> list[str]:
     steps = series["step"]
     if not steps:
         return []
     stride = max(1, -(-len(steps) // MAX_SERIES_ROWS))
     picked = sorted(set(range(0, len(steps), stride)) | {len(steps) - 1})
-    lines = ["", "## By step", "", "| Step | Loss | Step time (s) | Tokens/s/GPU | TFLOP/s/GPU |", "|---:|---:|---:|---:|---:|"]
+    lines = ["", "## By step (numbered as the loggers number them)", "",
+             f"| Step | Loss | Step time (s) | Tokens/s/{unit} | TFLOP/s/{unit} |", "|---:|---:|---:|---:|---:|"]
     for i in picked:
         lines.append(
             f"| {steps[i]} | {_number(series['loss'][i], '.4f')} | {_number(series['step_time_s'][i], '.4g')} | "
@@ -127,5 +142,5 @@ def _escape_pipes(text: str) -> str:
 def render_markdown(card: dict[str, Any]) -> str:
     lines = [f"# Run card: {card['name']}", "", "| | |", "|---|---|"]
     lines += [f"| {field} | {_escape_pipes(value)} |" for field, value in _rows(card)]
-    lines += _series_table(card["series"])
+    lines += _series_table(card["series"], _unit(card))
     return "\n".join(lines) + "\n"

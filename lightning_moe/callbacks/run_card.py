@@ -23,6 +23,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
@@ -35,6 +37,7 @@ from lightning_moe.checkpoint.atomic import atomic_write_text
 from lightning_moe.kernels import kernel_checks
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import mtp_depths
+from lightning_moe.seeds import global_seed
 
 SERIES_FIELDS = ("step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu")
 
@@ -107,10 +110,11 @@ def versions() -> dict[str, str | None]:
 
 
 def per_step_series(losses: dict[int, float], speeds: list[dict[str, Any]]) -> dict[str, list]:
-    """Aligned per-step arrays (null where a step has no value, or a non-finite one)."""
+    """Aligned per-step arrays (null where a step has no value, or a non-finite one), keyed by ``global_step``
+    after each step; ``step`` numbers them as the loggers do (TensorBoard, CSV: ``global_step`` before it)."""
     by_step = {s["step"]: s for s in speeds}
     steps = sorted(set(losses) | set(by_step))
-    series: dict[str, list] = {"step": steps, "loss": [finite_or_none(losses.get(s)) for s in steps]}
+    series: dict[str, list] = {"step": [s - 1 for s in steps], "loss": [finite_or_none(losses.get(s)) for s in steps]}
     for field in SERIES_FIELDS:
         series[field] = [finite_or_none(by_step.get(s, {}).get(field)) for s in steps]
     return series
@@ -131,13 +135,33 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def end_status(trainer: pl.Trainer) -> str:
+    """How a fit that returned ended: completed, or stopped early by which callback and why."""
+    health = find_callback(trainer, HealthCheck)
+    if health is not None and health.stopped_at is not None:
+        return f"stopped by HealthCheck at step {health.stopped_at}"
+    for callback in trainer.callbacks:
+        if isinstance(callback, EarlyStopping) and callback.stopping_reason != EarlyStoppingReason.NOT_STOPPED:
+            return (f"stopped early by EarlyStopping at step {trainer.global_step}: "
+                    f"{callback.stopping_reason_message or callback.stopping_reason.value}")
+    if trainer.should_stop and trainer.max_steps > 0 and trainer.global_step < trainer.max_steps:
+        return f"stopped at step {trainer.global_step} (trainer.should_stop set by a callback or the module)"
+    return "completed"
+
+
+def seeds_in_force(pl_module: pl.LightningModule, datamodule: Any) -> dict[str, int | None]:
+    """The ``seed_everything`` seed and the seeds the weights and the data order used."""
+    return {"seed_everything": global_seed(), "model": getattr(pl_module, "seed", None),
+            "data": getattr(datamodule, "seed", None)}
+
+
 class RunCard(StepEndCallback):
     """Writes ``run_card.json`` and ``run_card.md`` into the run directory (``trainer.log_dir``).
 
     Args:
         name: what the card is titled (a recipe or model name); default: the model class and family.
         workload: what was run (``pretrain``, ``sft``, ``lora``, a benchmark name); default: the data module class.
-        print_card: also print the Markdown card to stdout at the end.
+        print_card: also print the Markdown card to stdout at the end (not after a failure before the first step).
     """
 
     def __init__(self, name: str | None = None, workload: str | None = None, print_card: bool = True) -> None:
@@ -160,11 +184,11 @@ class RunCard(StepEndCallback):
             self.losses.add(trainer.global_step, loss)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        health = find_callback(trainer, HealthCheck)
-        stopped = health.stopped_at if health is not None else None
-        self.write(trainer, pl_module, "completed" if stopped is None else f"stopped by HealthCheck at step {stopped}")
+        self.write(trainer, pl_module, end_status(trainer))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.state.fn != "fit":  # validate / test / predict never overwrite the card of the fit before them
+            return
         status = (f"preempted: {exception}" if isinstance(exception, Preempted)
                   else f"failed: {type(exception).__name__}: {exception}")
         try:
@@ -200,6 +224,7 @@ class RunCard(StepEndCallback):
             "precision": str(trainer.precision),
             "steps": trainer.global_step,
             "max_steps": trainer.max_steps,
+            "seeds": seeds_in_force(pl_module, datamodule),
             "initial_loss": losses[0] if losses else None,
             "final_loss": losses[-1] if losses else None,
             **(throughput.summary() if throughput else {}),
@@ -218,7 +243,7 @@ class RunCard(StepEndCallback):
         }
 
     def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, status: str) -> None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or trainer.fast_dev_run:  # a trial run leaves nothing behind
             return
         card = self.build(trainer, pl_module, status)
         run_dir = self.run_dir or Path(trainer.default_root_dir)
@@ -226,5 +251,6 @@ class RunCard(StepEndCallback):
         markdown = render_markdown(card)
         atomic_write_text(run_dir / CARD_JSON, json.dumps(json_safe(card), indent=2, allow_nan=False) + "\n")
         atomic_write_text(run_dir / CARD_MARKDOWN, markdown)
-        if self.print_card:
+        if self.print_card and (trainer.global_step > 0 or not status.startswith("failed")):
+            # a run that failed before its first step has only the error to say (the card is in run_dir)
             print(markdown, flush=True)

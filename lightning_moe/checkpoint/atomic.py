@@ -22,6 +22,7 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     tmp.mkdir()
     try:
         yield tmp
+        with_umask_modes(tmp)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)
         elif final.exists() or final.is_symlink():
@@ -30,6 +31,17 @@ def atomic_directory(path: str | Path, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def with_umask_modes(folder: Path) -> None:
+    """Give the files under ``folder`` the mode the process umask allows (``0o666 & ~umask``): writers that go
+    through temporary files (safetensors) leave them readable by their owner only, so nobody else on a cluster
+    could read an export."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.rglob("*"):
+        if file.is_file() and not file.is_symlink():
+            file.chmod(0o666 & ~umask)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

@@ -25,6 +25,7 @@ from lightning_moe.checkpoint.source import (
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, family_by_name
 from lightning_moe.models.hf import HFModel
+from lightning_moe.models.hf_form import hub_tensor_groups
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -66,9 +67,8 @@ def export_hf_tensors(
     hf = export_hf_config(family, config, hf_config, dtype, quantize)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
-        for m in family.weight_map(config):
-            natives = cast_floating([native(name) for name in m.natives], dtype)
-            write_hub_tensors(writer, family, m.hf, m.hf_from_natives(natives), hf, quantize)
+        for names, tensors in hub_tensor_groups(config, native, dtype):
+            write_hub_tensors(writer, family, names, tensors, hf, quantize)
         writer.finish()
         (tmp / HF_CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
         if aux_dir is not None:
@@ -88,10 +88,6 @@ def export_hf_config(family: Family, config: ModelConfig, hf_config: dict[str, A
     if quantize is not None:
         hf["quantization_config"] = hub_quantization_config(family, quantize, original_quantization)
     return hf
-
-
-def cast_floating(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    return [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in tensors]
 
 
 def write_hub_tensors(writer: ShardedWriter, family: Family, names: Sequence[str], tensors: Sequence[torch.Tensor],

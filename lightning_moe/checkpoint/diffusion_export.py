@@ -10,7 +10,6 @@ at once, so no rank but the writer holds the whole model.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -24,14 +23,6 @@ from lightning_moe.peft.merge import full_tensor, merged_state_dict
 
 def _is_writer() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _readable(folder: Path) -> None:
-    """Files as the umask allows (the writers' temporary files are owner-only)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
 
 
 def _barrier() -> None:
@@ -66,7 +57,6 @@ def export_transformer(model: nn.Module, out: str | Path, *, dtype: torch.dtype 
             transformer.save_config(tmp)
             save_torch_state_dict(state, tmp, filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
                                   max_shard_size=max_shard_size)
-            _readable(tmp)
         result = Path(out)
     _barrier()
     return result
@@ -95,7 +85,6 @@ def export_lora(model: nn.Module, out: str | Path, lora, *, overwrite: bool = Fa
         with atomic_directory(out, overwrite=overwrite) as tmp:
             model.family.pipeline_class.save_lora_weights(tmp, transformer_lora_layers=layers,
                                                           transformer_lora_adapter_metadata=metadata)
-            _readable(tmp)
         result = Path(out)
     _barrier()
     return result

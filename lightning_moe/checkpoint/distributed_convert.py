@@ -34,7 +34,6 @@ import torch
 
 from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.checkpoint.convert import (
-    cast_floating,
     copy_aux_files,
     export_hf_config,
     write_hub_tensors,
@@ -53,6 +52,7 @@ from lightning_moe.checkpoint.source import (
 )
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import TensorMap, family_by_name
+from lightning_moe.models.hf_form import cast_floating
 from lightning_moe.parallel.dims import ParallelDims
 
 

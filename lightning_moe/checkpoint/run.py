@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_moe.checkpoint.distributed import DistributedCheckpointState
+from lightning_moe.checkpoint.training import check_complete
 
 PREFIX = "model."
 # what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states
@@ -22,14 +23,14 @@ def is_run_checkpoint(path: str | Path) -> bool:
 
 
 def read_run_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint directory) as one dict on the CPU."""
+    """A Lightning checkpoint (a ``.ckpt`` file or a distributed checkpoint directory) as one dict on the CPU; a
+    missing, incomplete or truncated one is an error naming the file."""
     path = Path(path).expanduser()
+    check_complete(path)
     if path.is_dir():
         return _read_distributed_checkpoint(path)
-    if path.is_file():
-        # memory-mapped: tensors are paged in when used, so optimizer states an export never reads stay on disk
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    raise FileNotFoundError(f"{path}: no Lightning checkpoint (file or distributed checkpoint directory)")
+    # memory-mapped: tensors are paged in when used, so optimizer states an export never reads stay on disk
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
 def model_tensor_keys(checkpoint: dict[str, Any]) -> dict[str, str]:
@@ -48,8 +49,6 @@ def model_tensors(checkpoint: dict[str, Any]) -> Iterator[tuple[str, torch.Tenso
 def _read_distributed_checkpoint(path: Path) -> dict[str, Any]:
     """A distributed (DCP) checkpoint directory as one dict: Lightning's ``meta.pt`` and a ``state_dict`` that
     reads each weight from the shards when asked for it (optimizer states are never read)."""
-    if not (path / ".metadata").is_file() or not (path / LIGHTNING_METADATA).is_file():
-        raise FileNotFoundError(f"{path}: not a distributed checkpoint (needs .metadata and {LIGHTNING_METADATA})")
     checkpoint = torch.load(path / LIGHTNING_METADATA, map_location="cpu", weights_only=True)
     checkpoint["state_dict"] = DistributedCheckpointState(path)
     return checkpoint

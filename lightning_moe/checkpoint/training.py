@@ -123,8 +123,14 @@ def read_dcp_metadata(path: str | Path) -> Any:
 
 
 def _check_zip(path: Path, what: str) -> None:
-    # torch.save writes a zip archive; its directory sits at the end, so a cut-off file has none
-    if not zipfile.is_zipfile(path):
+    # torch.save writes a zip archive; its directory sits at the end, so a cut-off file has none (and bytes of a
+    # tensor that happen to look like the directory's end record do not point to a directory that is there)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            last = max((info.header_offset for info in archive.infolist()), default=0)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        last = None
+    if last is None or last >= path.stat().st_size:
         raise ValueError(f"{what} {path} is truncated or corrupt ({path.stat().st_size} bytes, no zip "
                          f"directory at its end)")
 

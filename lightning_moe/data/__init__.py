@@ -16,6 +16,7 @@ from lightning_moe.data.mock import MockDataModule, MockDataset
 from lightning_moe.data.packed_parquet import PackedDataset, write_packed_dataset
 from lightning_moe.data.packing import pack_first_fit_decreasing, pack_greedy, packing_stats
 from lightning_moe.data.pretrain import PretrainDataModule
+from lightning_moe.data.prompts import PromptsDataModule
 from lightning_moe.data.sampler import DataParallelSampler
 from lightning_moe.data.sft import SFTDataModule, build_packed_sft
 from lightning_moe.data.text_to_image import TextToImageDataModule
@@ -36,6 +37,7 @@ __all__ = [
     "MockDataset",
     "PackedDataset",
     "PretrainDataModule",
+    "PromptsDataModule",
     "SFTDataModule",
     "SampleFormat",
     "TextToImageDataModule",

@@ -12,8 +12,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.distributed import data_parallel_rank_and_size
 from lightning_moe.data.sampler import DataParallelSampler, ResumableDataLoader
+from lightning_moe.seeds import seed_in_force
 
 log = logging.getLogger(__name__)
+DEFAULT_SEED = 1234  # without a recipe seed or seed_everything
 
 
 class BaseDataModule(L.LightningDataModule):
@@ -31,11 +33,11 @@ class BaseDataModule(L.LightningDataModule):
         global_batch_size: rows per optimizer step over all data-parallel ranks; must be divisible by
             ``micro_batch_size * dp_size`` (the quotient is the gradient-accumulation count). Default:
             ``micro_batch_size * dp_size``.
-        seed: seed of the per-epoch shuffle.
+        seed: seed of the per-epoch shuffle; default: the ``seed_everything`` seed, else 1234.
         num_workers: DataLoader worker processes.
     """
 
-    def __init__(self, micro_batch_size: int = 1, global_batch_size: int | None = None, seed: int = 1234,
+    def __init__(self, micro_batch_size: int = 1, global_batch_size: int | None = None, seed: int | None = None,
                  num_workers: int = 0) -> None:
         super().__init__()
         if micro_batch_size < 1:
@@ -45,10 +47,16 @@ class BaseDataModule(L.LightningDataModule):
                              f"micro_batch_size {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
-        self.seed = seed
+        self.own_seed = seed
         self.num_workers = num_workers
         self.consumed_samples = 0
         self._train_sampler: DataParallelSampler | None = None
+
+    @property
+    def seed(self) -> int:
+        """The data seed in force (read where the data is built: ``prepare_data`` runs on one process per node, so
+        this is no collective; every rank of a run shares the ``seed_everything`` seed of the recipe)."""
+        return seed_in_force(self.own_seed, DEFAULT_SEED)
 
     # -- sharding -------------------------------------------------------------------------------
     def data_parallel_rank_and_size(self) -> tuple[int, int]:
@@ -101,6 +109,15 @@ class BaseDataModule(L.LightningDataModule):
         sampler = DataParallelSampler(dataset, rank, size, self.micro_batch_size, shuffle=False)
         return DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler, collate_fn=collate_fn,
                           num_workers=self.num_workers, drop_last=True)
+
+    def no_eval_data(self, what: str, keys: str) -> list:
+        """What a loader returns for a split the data module has none of: nothing to evaluate in ``fit``, an error
+        naming the settings (``keys``) for ``validate`` / ``test``, whose only job that split is."""
+        command = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)
+        command = getattr(command, "value", command)
+        if command in ("validate", "test"):
+            raise ValueError(f"{command}: {type(self).__name__} has no {what} data; set data.init_args.{keys}")
+        return []
 
     # -- what the data holds ----------------------------------------------------------------------
     def token_id_bound(self) -> tuple[int, str] | None:

@@ -95,7 +95,7 @@ class MedPixDataModule(BaseDataModule):
             ``error`` (stop at the first, naming it).
         micro_batch_size: rows per data-parallel rank per step.
         global_batch_size: rows per optimizer step over all data-parallel ranks.
-        seed: shuffle seed.
+        seed: shuffle seed (default: the ``seed_everything`` seed, else 1234).
         num_workers: DataLoader worker processes.
     """
 
@@ -105,7 +105,7 @@ class MedPixDataModule(BaseDataModule):
         system_prompt: str | None = None, image_token: str | None = None,
         packing: Literal["none", "greedy", "ffd"] = "none", packed_sequence_size: int = 2048, pad_seq_to_mult: int = 1,
         bad_rows: Literal["skip", "error"] = "skip", micro_batch_size: int = 1, global_batch_size: int | None = None,
-        seed: int = 1234, num_workers: int = 0,
+        seed: int | None = None, num_workers: int = 0,
     ) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if packing not in PACKERS:
@@ -183,7 +183,9 @@ class MedPixDataModule(BaseDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup("validate")
-        return [] if self.val_data is None else self._eval_loader(self.val_data, self._collator())
+        if self.val_data is None:
+            return self.no_eval_data("validation", "val_dataset")
+        return self._eval_loader(self.val_data, self._collator())
 
 
 def _undecoded_images(ds: Any, column: str) -> Any:

@@ -33,14 +33,15 @@ class MockDataModule(BaseDataModule):
         micro_batch_size: rows per data-parallel rank per step.
         global_batch_size: rows per optimizer step over all data-parallel ranks (default micro * dp).
         vocab_size: tokens are drawn uniformly from ``[0, vocab_size)``.
-        seed: data seed; row ``i`` is a function of ``(seed, i)`` only.
+        seed: data seed; row ``i`` is a function of ``(seed, i)`` only (default: the ``seed_everything`` seed, else
+            1234).
         num_train_samples: rows per training epoch.
         num_val_samples: rows of the validation/test set (0: no validation data).
         num_workers: DataLoader worker processes.
     """
 
     def __init__(self, seq_length: int = 2048, micro_batch_size: int = 1, global_batch_size: int | None = None,
-                 vocab_size: int = 32000, seed: int = 1234, num_train_samples: int = 1_000_000,
+                 vocab_size: int = 32000, seed: int | None = None, num_train_samples: int = 1_000_000,
                  num_val_samples: int = 64, num_workers: int = 0) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if seq_length < 1 or vocab_size < 2:
@@ -58,7 +59,7 @@ class MockDataModule(BaseDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         if self.num_val_samples == 0:
-            return []
+            return self.no_eval_data("validation/test", "num_val_samples")
         ds = MockDataset(self.num_val_samples, self.seq_length, self.vocab_size, self.seed + 1)
         return self._eval_loader(ds, self.collate)
 

@@ -47,7 +47,7 @@ class PretrainDataModule(BaseDataModule):
         vocab_size: token range of mock data.
         micro_batch_size: samples per data-parallel rank per step.
         global_batch_size: samples per optimizer step over all data-parallel ranks.
-        seed: seed of document, sample and blend shuffles.
+        seed: seed of document, sample and blend shuffles (default: the ``seed_everything`` seed, else 1234).
         num_workers: DataLoader worker processes.
         cache_dir: where the sampling and blending indices are built once (by one process per node, in
             ``prepare_data``) and memory-mapped from by every rank; None builds them in each rank's memory.
@@ -58,7 +58,7 @@ class PretrainDataModule(BaseDataModule):
         seq_length: int = 2048, tokenizer: str | None = None, eod_token_id: int | None = None,
         reset_at_eod: bool = False, eod_mask_loss: bool = False, train_samples: int | None = None,
         eval_samples: int | None = None, mock: bool = False, vocab_size: int = 32000, micro_batch_size: int = 1,
-        global_batch_size: int | None = None, seed: int = 1234, num_workers: int = 0, cache_dir: str | None = None,
+        global_batch_size: int | None = None, seed: int | None = None, num_workers: int = 0, cache_dir: str | None = None,
     ) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if not mock and blend is None and blend_per_split is None:
@@ -177,10 +177,12 @@ class PretrainDataModule(BaseDataModule):
         if "valid" not in self.datasets:
             self.setup("validate")
         ds = self.datasets["valid"]
-        return [] if ds is None else self._eval_loader(ds, self.collate)
+        return self.no_eval_data("validation", "split or blend_per_split") if ds is None else self._eval_loader(
+            ds, self.collate)
 
     def test_dataloader(self) -> DataLoader | list:
         if "test" not in self.datasets:
             self.setup("test")
         ds = self.datasets["test"]
-        return [] if ds is None else self._eval_loader(ds, self.collate)
+        return self.no_eval_data("test", "split or blend_per_split") if ds is None else self._eval_loader(
+            ds, self.collate)

@@ -177,6 +177,8 @@ class SFTDataModule(BaseDataModule):
         split: split of ``dataset``, with optional slice (``train[:100000]``).
         val_dataset: validation rows (same kinds as ``dataset``); default: no validation.
         val_split: split of ``val_dataset``.
+        test_dataset: test rows (``lightning-moe test``; same kinds as ``dataset``); default: the validation rows.
+        test_split: split of ``test_dataset``.
         revision: hub revision of the datasets.
         tokenizer_revision: hub revision of a hub tokenizer.
         dataset_name: hub configuration name.
@@ -203,26 +205,29 @@ class SFTDataModule(BaseDataModule):
         skip_invalid_rows: skip (and count) rows that fail validation instead of raising.
         packed_path: a folder written by ``lightning-moe data pack``; used instead of ``dataset``.
         val_packed_path: the same for validation.
+        test_packed_path: the same for test.
         cache_dir: where tokenized and packed data are cached (default ``~/.cache/lightning_moe/packed``).
         num_proc: tokenization worker processes (``datasets.map``).
         micro_batch_size: packed rows per data-parallel rank per step.
         global_batch_size: packed rows per optimizer step over all data-parallel ranks.
-        seed: shuffle seed.
+        seed: shuffle seed (default: the ``seed_everything`` seed, else 1234).
         num_workers: DataLoader worker processes.
     """
 
     def __init__(
         self, tokenizer: str, dataset: str | None = None, split: str = "train", val_dataset: str | None = None,
-        val_split: str = "train", revision: str | None = None, tokenizer_revision: str | None = None,
+        val_split: str = "train", test_dataset: str | None = None, test_split: str = "train",
+        revision: str | None = None, tokenizer_revision: str | None = None,
         dataset_name: str | None = None,
         preset: str | None = None, format: str | None = None, messages_column: str | None = None,
         last_turn_only: bool | None = None, prompt_template: str | None = None, completion_column: str | None = None,
         separator: str | None = None, use_chat_template: bool | None = None, add_bos: bool | None = None,
         append_eos: bool | None = None, role_map: dict[str, str] | None = None, packed_sequence_size: int = 4096, pad_seq_to_mult: int = 1,
         packing: str = "ffd", overlong: str = "drop", skip_invalid_rows: bool = False,
-        packed_path: str | None = None, val_packed_path: str | None = None, cache_dir: str | None = None,
+        packed_path: str | None = None, val_packed_path: str | None = None, test_packed_path: str | None = None,
+        cache_dir: str | None = None,
         num_proc: int | None = None, micro_batch_size: int = 1, global_batch_size: int | None = None,
-        seed: int = 1234, num_workers: int = 0,
+        seed: int | None = None, num_workers: int = 0,
     ) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if dataset is None and packed_path is None:
@@ -230,6 +235,7 @@ class SFTDataModule(BaseDataModule):
         check_packing_options(packed_sequence_size, pad_seq_to_mult, packing, overlong)
         self.tokenizer_path, self.tokenizer_revision, self.revision = tokenizer, tokenizer_revision, revision
         self.dataset, self.split, self.val_dataset, self.val_split = dataset, split, val_dataset, val_split
+        self.test_dataset, self.test_split, self.test_packed_path = test_dataset, test_split, test_packed_path
         self.dataset_name = dataset_name
         self.sample_format = make_sample_format(
             preset, format, messages_column=messages_column, last_turn_only=last_turn_only,
@@ -244,6 +250,7 @@ class SFTDataModule(BaseDataModule):
         self._tokenizer: Any = None
         self.train_dataset: PackedDataset | None = None
         self.val_dataset_packed: PackedDataset | None = None
+        self.test_dataset_packed: PackedDataset | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -266,6 +273,7 @@ class SFTDataModule(BaseDataModule):
         """Tokenize and pack into the cache (Lightning runs this on one process per node)."""
         self._packed_dir(self.dataset, self.split, self.packed_path)
         self._packed_dir(self.val_dataset, self.val_split, self.val_packed_path)
+        self._packed_dir(self.test_dataset, self.test_split, self.test_packed_path)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
@@ -274,6 +282,9 @@ class SFTDataModule(BaseDataModule):
         if self.val_dataset_packed is None:
             path = self._packed_dir(self.val_dataset, self.val_split, self.val_packed_path)
             self.val_dataset_packed = self._open(path) if path is not None else None
+        if self.test_dataset_packed is None:
+            path = self._packed_dir(self.test_dataset, self.test_split, self.test_packed_path)
+            self.test_dataset_packed = self._open(path) if path is not None else self.val_dataset_packed
 
     def token_id_bound(self) -> tuple[int, str]:
         size = len(self.tokenizer)
@@ -324,8 +335,15 @@ class SFTDataModule(BaseDataModule):
         return self._train_loader(self.train_dataset, self._collator(self.train_dataset))
 
     def val_dataloader(self) -> DataLoader | list:
+        return self._split_loader("validate", "val_dataset_packed", "validation", "val_dataset (or val_packed_path)")
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._split_loader("test", "test_dataset_packed", "test", "test_dataset or val_dataset")
+
+    def _split_loader(self, stage: str, attribute: str, what: str, keys: str) -> DataLoader | list:
         if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset_packed is None:
-            return []
-        return self._eval_loader(self.val_dataset_packed, self._collator(self.val_dataset_packed))
+            self.setup(stage)
+        dataset = getattr(self, attribute)
+        if dataset is None:
+            return self.no_eval_data(what, keys)
+        return self._eval_loader(dataset, self._collator(dataset))

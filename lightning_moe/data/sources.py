@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,13 @@ def load_source(source: str, split: str = "train", revision: str | None = None, 
 def check_jsonl(path: str) -> None:
     """Raise ``ValueError`` naming the file and line when a JSON-lines file is empty or a line is not a JSON
     object (one pass, a line at a time)."""
+    for _ in iter_jsonl(path):
+        pass
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of each non-blank line of a JSON-lines file; ``ValueError`` naming the file and line
+    when the file is empty or a line is not a JSON object."""
     import json
 
     rows = 0
@@ -77,6 +85,7 @@ def check_jsonl(path: str) -> None:
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {number}: a JSON {type(row).__name__}, not an object of columns")
             rows += 1
+            yield number, row
     if rows == 0:
         raise ValueError(f"{path}: empty, no JSON lines")
 

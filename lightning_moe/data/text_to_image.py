@@ -77,7 +77,7 @@ class TextToImageDataModule(BaseDataModule):
         self, dataset: str | None = None, cache_dir: str | None = None, split: str = "train",
         revision: str | None = None, resolution: int = 1024, image_column: str = "image",
         caption_column: str = "text", bad_rows: Literal["error", "skip"] = "error", micro_batch_size: int = 1,
-        global_batch_size: int | None = None, seed: int = 1234, num_workers: int = 0,
+        global_batch_size: int | None = None, seed: int | None = None, num_workers: int = 0,
     ) -> None:
         super().__init__(micro_batch_size, global_batch_size, seed, num_workers)
         if (dataset is None) == (cache_dir is None):

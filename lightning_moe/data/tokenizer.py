@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.models.hub import local_dir_or_hub_id, not_fetched
 
 # ChatML-style template. The assistant turn, including its end-of-turn token, sits in a
 # `{% generation %}` block so `apply_chat_template(..., return_assistant_tokens_mask=True)` marks it.
@@ -83,15 +84,54 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
     """
     from transformers import AutoTokenizer
 
-    is_local = os.path.isdir(name_or_path)
-    if not is_local and (os.path.sep in name_or_path and not re.fullmatch(r"[\w.-]+/[\w.-]+", name_or_path)):
-        raise FileNotFoundError(f"tokenizer: directory {name_or_path!r} does not exist")
+    found = local_dir_or_hub_id(name_or_path, "tokenizer")
+    is_local = isinstance(found, Path)
     try:
         return AutoTokenizer.from_pretrained(
-            name_or_path, revision=None if is_local else revision, trust_remote_code=trust_remote_code
+            str(found), revision=None if is_local else revision, trust_remote_code=trust_remote_code
         )
     except OSError as e:
-        raise FileNotFoundError(f"tokenizer {name_or_path!r} could not be loaded: {e}") from e
+        if is_local:
+            raise FileNotFoundError(f"tokenizer {name_or_path!r} could not be loaded: {e}") from e
+        raise FileNotFoundError(not_fetched(name_or_path, "tokenizer", e)) from e
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer`` (a tokenizer or processor), by name: what a
+    checkpoint carries so that its exports and ``generate`` have the run's tokenizer."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {path.name: path.read_bytes() for path in sorted(Path(tmp).iterdir()) if path.is_file()}
+
+
+def end_of_turn_id(tokenizer: Any) -> int | None:
+    """The special token the chat template ends an assistant turn with (``<|im_end|>``, ``<|eot_id|>``), or None
+    without a chat template: where a chat model's generation stops."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    try:
+        prompt = tokenizer.apply_chat_template(turn[:1], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(turn, tokenize=False)
+    except Exception:  # noqa: BLE001  (templates that refuse this conversation have no turn end to find)
+        return None
+    if not full.startswith(prompt):
+        return None
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return next((i for i in tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"] if i in special),
+                None)
+
+
+def generation_defaults(tokenizer: Any) -> dict[str, Any]:
+    """``generation_config.json`` entries of a model trained with ``tokenizer``: its bos, pad and end tokens
+    (eos, and the chat template's end of turn)."""
+    ends = [t for t in (tokenizer.eos_token_id, end_of_turn_id(tokenizer)) if t is not None]
+    ends = list(dict.fromkeys(ends))
+    defaults = {"bos_token_id": tokenizer.bos_token_id, "pad_token_id": pad_token_id(tokenizer),
+                "eos_token_id": ends[0] if len(ends) == 1 else ends or None}
+    return {key: value for key, value in defaults.items() if value is not None}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

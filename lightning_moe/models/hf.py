@@ -29,6 +29,7 @@ from lightning_moe.models.families import family_for_hf_config
 from lightning_moe.models.hf_experts import force_balanced_routing, track_expert_load
 from lightning_moe.models.hf_packing import PackedMaskCheck
 from lightning_moe.models.hf_weights import load_hf_weights
+from lightning_moe.models.hub import local_dir_or_hub_id, snapshot_dir
 from lightning_moe.models.layers.loss import (
     IGNORE_INDEX,
     cross_entropy_sum,
@@ -101,21 +102,19 @@ class HFModelConfig:
 # ---------------------------------------------------------------------------------------------- locating
 def resolve_model_dir(cfg: HFModelConfig) -> Path:
     """The local directory of ``cfg.hf``: the path itself, or the hub snapshot (downloaded when missing)."""
-    path = Path(cfg.hf).expanduser()
-    if path.is_dir():
-        return path
-    if cfg.hf.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.hf):
-        raise FileNotFoundError(f"model.hf: directory {cfg.hf!r} does not exist (nor is it a hub id like org/name)")
-    from huggingface_hub import snapshot_download
+    return model_dir(cfg.hf, "model.hf", cfg.revision, cfg.trust_remote_code)
 
+
+def model_dir(name: str, key: str, revision: str | None = None, trust_remote_code: bool = False) -> Path:
+    """The local directory of a model named by a path or a hub id (its snapshot, downloaded when missing);
+    ``key`` names the setting in errors."""
+    found = local_dir_or_hub_id(name, key)
+    if isinstance(found, Path):
+        return found
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-    if cfg.trust_remote_code:
+    if trust_remote_code:
         patterns.append("*.py")
-    try:
-        return Path(snapshot_download(cfg.hf, revision=cfg.revision, allow_patterns=patterns))
-    except Exception as err:  # offline mode, unknown repo, gated repo: huggingface_hub has many error types
-        raise FileNotFoundError(f"model.hf={cfg.hf!r} is not a local directory and could not be fetched from the "
-                                f"hub ({type(err).__name__}: {err})") from err
+    return snapshot_dir(found, key, revision, patterns)
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -397,7 +396,10 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
-def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device | str) -> None:
+def materialize_with_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """:func:`materialize` a model built under :func:`parameters_on_meta`, keeping the buffers it computed."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    materialize(model, device)
     for name, value in buffers.items():
         path, _, leaf = name.rpartition(".")
         owner = model.get_submodule(path) if path else model
@@ -427,9 +429,7 @@ def build_hf_model(
         # a pipeline's split returns the parts of the model this rank's stages hold (parallel/pipeline_hf.py)
         split = parallelize(model)
         model = split if isinstance(split, HFModel) else model
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    materialize(model, device)
-    _restore_buffers(model, buffers, device)
+    materialize_with_buffers(model, device)
     load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
     if any(".lora_" in name for name, _ in model.named_parameters()):
         with torch.random.fork_rng(devices=[]):

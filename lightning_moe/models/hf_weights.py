@@ -92,7 +92,30 @@ def load_hf_weights(hf_model: nn.Module, directory: str | Path, elsewhere: froze
     """Copy a Hugging Face checkpoint into ``hf_model`` (materialized, possibly sharded); returns the tensor count.
     Every persistent tensor of the model must come from the checkpoint (tied ones excepted); tensors named in
     ``elsewhere`` (other pipeline stages') are skipped."""
-    reader = SafetensorsDir(directory)
+    return load_hub_tensors(hf_model, SafetensorsDir(directory), elsewhere)
+
+
+class HubTensors:
+    """Hub-named tensors in memory, read like a :class:`SafetensorsDir` (``directory`` names them in errors)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], directory: str) -> None:
+        self.tensors, self.directory = tensors, directory
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def load_hub_tensors(hf_model: nn.Module, reader: SafetensorsDir | HubTensors,
+                     elsewhere: frozenset[str] = frozenset()) -> int:
+    """:func:`load_hf_weights` from a reader of hub-named tensors (a directory's files, or tensors in memory);
+    closes the reader."""
+    directory = reader.directory
     loaded: set[str] = set()
 
     def tensors():

@@ -9,6 +9,8 @@ carry very different numbers of label tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.source import open_checkpoint
+from lightning_moe.data.tokenizer import load_tokenizer, tokenizer_files
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -30,14 +33,17 @@ from lightning_moe.models.config import (
 )
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder, LossOutput
+from lightning_moe.models.generation import new_tokens
 from lightning_moe.models.hf import (
     HFModel,
     HFModelConfig,
     build_hf_model,
     hf_converters,
+    model_dir,
     native_checkpoint_dir,
 )
 from lightning_moe.models.hf_experts import update_correction_biases
+from lightning_moe.models.hf_form import native_as_transformers
 from lightning_moe.models.layers.moe import MoE, update_expert_bias
 from lightning_moe.modules.optim import (
     OptimizerConfig,
@@ -58,10 +64,18 @@ from lightning_moe.peft import (
     LoraConfig,
     keep_checkpoints_adapter_only,
     load_hf_adapter,
+    merged_state_dict,
     reset_lora_parameters,
 )
 from lightning_moe.precision import Float8Config
 from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
+from lightning_moe.seeds import seed_in_force
+
+DEFAULT_SEED = 0  # of the weights, without a recipe seed or seed_everything
+TOKENIZER_KEY = "tokenizer_files"  # the run's tokenizer files in its checkpoints
+# evaluation losses are all-reduced over the loss group before they are logged (_log_eval): Lightning's advice to
+# log them with sync_dist does not apply
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(val|test)/(loss|ppl)'")
 
 
 def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
@@ -95,13 +109,15 @@ class CausalLM(L.LightningModule):
         model: the architecture; optional when ``pretrained`` is given (its config is used). An
             :class:`HFModelConfig` (``{hf: <dir or hub id>, ...}``) trains a Hugging Face checkpoint: natively
             when its architecture has a native family (``native: auto``), else as the transformers model itself.
-        pretrained: a Hugging Face model directory or a checkpoint written by ``lightning-moe convert import``.
-            A missing path, or one whose tensors do not match ``model``, is an error, never a random start.
+        pretrained: a Hugging Face model directory or hub id (as ``model.hf``; local paths are looked at first), or
+            a checkpoint written by ``lightning-moe convert import``. A missing path, or one whose tensors do not
+            match ``model``, is an error, never a random start.
         optimizer: AdamW settings.
         scheduler: warmup + decay settings.
         mtp_loss_scale: weight of the multi-token-prediction loss, the mean over its depths (default:
             ``model.mtp.loss_scale``); Megatron's ``mtp_loss_scaling_factor``, DeepSeek-V3's lambda.
-        seed: seed of the weight initialization (every rank uses the same one).
+        seed: seed of the weight initialization (every rank uses the same one); default: the ``seed_everything``
+            seed, else 0.
         fp8: FP8 / MXFP8 training of linear layers (and MXFP8 expert GEMMs); emulated where no hardware runs it.
         peft: LoRA adapters; only they train, and checkpoints hold only them (plus buffers).
         freeze: regular expressions of parameter names to keep frozen (full fine-tuning).
@@ -116,7 +132,7 @@ class CausalLM(L.LightningModule):
         optimizer: OptimizerConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         mtp_loss_scale: float | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         fp8: Float8Config | None = None,
         peft: LoraConfig | None = None,
         freeze: list[str] | None = None,
@@ -134,7 +150,8 @@ class CausalLM(L.LightningModule):
         if mtp_loss_scale is not None:
             check_finite("model", mtp_loss_scale=mtp_loss_scale)
         self.mtp_loss_scale = mtp_loss_scale
-        self.seed = seed
+        self.own_seed = seed
+        self.seed = seed_in_force(seed, DEFAULT_SEED)  # settled again in setup, once every rank is up
         self.fp8, self.peft, self.freeze = fp8, peft, freeze
         if peft is not None:
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
@@ -145,11 +162,13 @@ class CausalLM(L.LightningModule):
         self._source = None
         self._step_sums: dict[str, torch.Tensor] = {}
         self._eval_sums: dict[str, torch.Tensor] = {}
+        self._tokenizer_cache: dict[str, bytes] | None = None
+        self._generator: torch.nn.Module | None = None  # the transformers form that predict_step samples from
 
     # ------------------------------------------------------------------ model construction
     def _checkpoint(self):
         if self._source is None and self.pretrained is not None:
-            self._source = open_checkpoint(Path(self.pretrained).expanduser())
+            self._source = open_checkpoint(model_dir(self.pretrained, "pretrained"))
         return self._source
 
     def _route_hf(self) -> None:
@@ -169,8 +188,14 @@ class CausalLM(L.LightningModule):
             return source.config
         return self.model_config
 
+    def setup(self, stage: str) -> None:
+        self.seed = seed_in_force(self.own_seed, DEFAULT_SEED, self.trainer)
+
     def configure_model(self) -> None:
         if self.model is not None:
+            return
+        if self._trainer is None:  # Lightning's load_from_checkpoint: the model for inference, on one process
+            self.model = self.build_inference_model()
             return
         strategy = self.trainer.strategy
         self._route_hf()
@@ -387,10 +412,71 @@ class CausalLM(L.LightningModule):
         if isinstance(self.model, HFModel):  # which transformers auto class rebuilds the model at export
             checkpoint["hf_task"] = self.hf_task
         checkpoint["rng_states"] = gather_rng_states()
+        files = self._tokenizer_files()
+        if files:  # exports and `generate` of the checkpoint find the run's tokenizer here
+            checkpoint[TOKENIZER_KEY] = files
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if checkpoint.get("rng_states"):
             restore_rng_states(checkpoint["rng_states"], self.global_rank)
+
+    def _tokenizer_files(self) -> dict[str, bytes] | None:
+        """The files of the data module's tokenizer (or processor), read once."""
+        if self._tokenizer_cache is None:
+            data = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+            tokenizer = getattr(data, "processor", None) or getattr(data, "tokenizer", None)
+            if not hasattr(tokenizer, "save_pretrained") and getattr(data, "tokenizer_path", None):
+                tokenizer = load_tokenizer(data.tokenizer_path)  # data that reads its tokenizer for one id (EOD)
+            self._tokenizer_cache = tokenizer_files(tokenizer) if hasattr(tokenizer, "save_pretrained") else {}
+        return self._tokenizer_cache
+
+    # ------------------------------------------------------------------ after fit: inference and generation
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path, map_location: Any = None, strict: bool | None = None,
+                             **kwargs: Any) -> CausalLM:
+        """The module of a checkpoint ``fit`` wrote (a ``.ckpt`` file or a distributed checkpoint directory) with
+        its model built for inference on one process, in eval mode: ``module(input_ids)`` gives logits
+        ``[batch, seq, vocab]``. ``map_location``: the device (default CPU); ``kwargs`` override hyperparameters,
+        as in Lightning."""
+        from lightning_moe.modules.load_back import load_run_module
+
+        return load_run_module(cls, checkpoint_path, device=map_location, strict=strict is not False, overrides=kwargs)
+
+    def build_inference_model(self) -> Decoder | HFModel:
+        """The run's model as ``configure_model`` builds it, on one process on the CPU, for a checkpoint's weights:
+        no sharding, no FP8 (checkpoints hold the high-precision weights), no starting adapter (the checkpoint
+        holds the trained one). A LoRA run's frozen base comes from ``pretrained`` / ``model.hf``, since its
+        checkpoints hold only the adapters."""
+        self._route_hf()
+        if isinstance(self.model_config, HFModelConfig):
+            return build_hf_model(self.model_config, task=self.hf_task, convert=hf_converters(peft=self.peft),
+                                  seed=self.seed)
+        peft = dataclasses.replace(self.peft, adapter_path=None) if self.peft is not None else None
+        return build_decoder(self.resolved_config(), seed=self.seed, source=self._checkpoint() if peft else None,
+                             peft=peft)
+
+    def transformers_model(self) -> torch.nn.Module:
+        """The model as a transformers ``PreTrainedModel`` in memory, for transformers' ``generate``: the
+        transformers model itself on the generic path; for the native decoder the model an export's config.json
+        builds, with the same weights (adapters merged in) under the hub's names. Collective when sharded."""
+        if isinstance(self.model, HFModel):
+            return self.model.hf
+        source = self._checkpoint() if self.pretrained is not None else None
+        return native_as_transformers(self.model.config, merged_state_dict(self.model),
+                                      hf_config=getattr(source, "hf_config", None), device=self.device)
+
+    def on_predict_start(self) -> None:
+        self._generator = self.transformers_model()  # on every rank: gathering a sharded model is a collective
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """The new tokens of each prompt of a :class:`~lightning_moe.data.PromptsDataModule` batch, by transformers'
+        ``generate`` with the batch's generation config (:class:`~lightning_moe.callbacks.PredictionWriter` decodes
+        and writes them)."""
+        if "generation_config" not in batch:
+            raise ValueError("predict continues prompts: give it a PromptsDataModule (--data PromptsDataModule "
+                             "--data.prompts FILE.jsonl --data.tokenizer DIR)")
+        tokens = new_tokens(self._generator, batch["input_ids"], batch["attention_mask"], batch["generation_config"])
+        return {"index": batch["index"].tolist(), "token_ids": tokens}
 
 
 # hyperparameters hold these dataclasses: let weights-only checkpoint loading rebuild them

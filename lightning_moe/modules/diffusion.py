@@ -51,6 +51,7 @@ from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
 from lightning_moe.peft import LoraConfig, keep_checkpoints_adapter_only
+from lightning_moe.seeds import seed_in_force
 
 
 class DiffusionModule(L.LightningModule):
@@ -61,7 +62,8 @@ class DiffusionModule(L.LightningModule):
         optimizer: AdamW settings.
         scheduler: warmup + decay settings.
         flow_matching: timestep density and shift, loss weighting, condition dropout.
-        seed: seed of the adapters' initialization and of every sample's noise and timestep.
+        seed: seed of the adapters' initialization and of every sample's noise and timestep; default: the
+            ``seed_everything`` seed, else 0.
         peft: LoRA adapters on the transformer (names are diffusers' own: ``to_q``, ``attn.add_k_proj``,
             ``transformer_blocks.*.img_mlp.net.2``); only they train.
         freeze: regular expressions of transformer parameter names kept frozen (full fine-tuning).
@@ -77,7 +79,7 @@ class DiffusionModule(L.LightningModule):
         optimizer: OptimizerConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         flow_matching: FlowMatchingConfig | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         peft: LoraConfig | None = None,
         freeze: list[str] | None = None,
         export_dir: str | None = None,
@@ -94,7 +96,8 @@ class DiffusionModule(L.LightningModule):
         self.optimizer_config = optimizer or OptimizerConfig(weight_decay=0.0)
         self.scheduler_config = scheduler or SchedulerConfig(decay_style="constant")
         self.flow_matching = flow_matching or FlowMatchingConfig()
-        self.seed, self.peft, self.freeze = seed, peft, freeze
+        self.own_seed, self.peft, self.freeze = seed, peft, freeze
+        self.seed = seed_in_force(seed, 0)  # settled again in setup, once every rank is up
         self.export_dir, self.export_dtype = export_dir, export_dtype
         if peft is not None:
             # checkpoints hold the adapters only: the frozen transformer comes from the pipeline on resume
@@ -116,6 +119,7 @@ class DiffusionModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Before any weight is read: a latent cache must have been encoded for this transformer."""
+        self.seed = seed_in_force(self.own_seed, 0, self.trainer)
         family = self._load_family()
         data = getattr(getattr(self, "_trainer", None), "datamodule", None)
         meta = getattr(data, "cache_metadata", None) if data is not None else None

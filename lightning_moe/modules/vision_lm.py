@@ -65,7 +65,7 @@ class VisionLM(CausalLM):
         model: HFModelConfig,
         optimizer: OptimizerConfig | None = None,
         scheduler: SchedulerConfig | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         fp8: Float8Config | None = None,
         peft: LoraConfig | None = None,
         freeze: list[str] | None = None,
@@ -90,6 +90,7 @@ class VisionLM(CausalLM):
 
     def setup(self, stage: str) -> None:
         """Before any weight is read: the data module's processor must belong to the model."""
+        super().setup(stage)
         processor = getattr(getattr(self.trainer, "datamodule", None), "processor", None)
         if processor is None:
             return
@@ -121,7 +122,8 @@ class VisionLM(CausalLM):
         return positions, inputs
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of a batch (with its images)."""
+        """Logits of a batch (with its images): ``input_ids``, ``pixel_values``, ``image_grid_thw`` and, for packed
+        rows, ``position_ids`` and ``mm_token_type_ids``, as the data module or the model's processor makes them."""
         positions, inputs = self._model_inputs(batch)
         return self.model(batch["input_ids"], positions, **inputs)
 

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.checkpoint.files import copy_aux_files
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.families.base import TensorMap
 from lightning_moe.models.hf_weights import HubNames
@@ -303,10 +304,15 @@ def _expert_b_map(native: str, key: str, rank: int) -> TensorMap:
 
 
 def export_hf_adapter(model: nn.Module, out: str | Path, *, hf_config: dict[str, Any] | None = None,
-                      trained: Sequence[str] = (), dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+                      trained: Sequence[str] = (), dtype: torch.dtype | None = None, base_model: str | None = None,
+                      aux_dir: Path | None = None, overwrite: bool = False) -> Path:
     """Write the model's adapters as a Hugging Face PEFT adapter directory; ``trained`` names the other tensors
-    the run changed (their transformers modules are saved whole, see :func:`adapter_layout`)."""
+    the run changed (their transformers modules are saved whole, see :func:`adapter_layout`). ``base_model``
+    (a hub id or directory) is what ``AutoPeftModelForCausalLM`` loads the adapter onto; ``aux_dir``'s tokenizer
+    and generation files are copied beside it."""
     layout = adapter_layout(model, hf_config, trained=trained)
+    if base_model is not None:
+        layout.peft_config.base_model_name_or_path = base_model
     params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
     def value(name: str) -> torch.Tensor:
@@ -321,15 +327,18 @@ def export_hf_adapter(model: nn.Module, out: str | Path, *, hf_config: dict[str,
         if mtp:
             save_file(mtp, str(tmp / MTP_ADAPTER_WEIGHTS), metadata={"format": "pt"})
         layout.peft_config.save_pretrained(str(tmp))
+        if aux_dir is not None:
+            copy_aux_files(aux_dir, tmp)
     return Path(out)
 
 
 def export_transformers_adapter(hf_model: nn.Module, out: str | Path, *, dtype: torch.dtype | None = None,
+                                base_model: str | None = None, aux_dir: Path | None = None,
                                 overwrite: bool = False) -> Path:
     """The adapters of a transformers causal LM trained with LoRA (the transformers path, ``model: {hf: ...}``
     without a native decoder) as a PEFT adapter directory. The names are transformers' own, so the layout is
     peft's for the same targets; injecting the written config into the model's meta twin must give exactly
-    these adapters."""
+    these adapters. ``base_model`` and ``aux_dir``: as for :func:`export_hf_adapter`."""
     import peft
 
     owners = lora_modules(hf_model)
@@ -340,7 +349,8 @@ def export_transformers_adapter(hf_model: nn.Module, out: str | Path, *, dtype: 
     plain = [n for n, _ in hf_model.named_modules() if ".lora_" not in n and ".base_layer" not in n]
     peft_config = peft.LoraConfig(
         r=rank, lora_alpha=scaling * rank, lora_dropout=0.0, target_modules=_compact(sorted(owners), plain),
-        base_model_name_or_path=getattr(hf_model.config, "_name_or_path", None) or None, task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model or getattr(hf_model.config, "_name_or_path", None) or None,
+        task_type="CAUSAL_LM",
         inference_mode=True,
     )
     twin = hf_meta_model(hf_model.config.to_dict())
@@ -361,6 +371,8 @@ def export_transformers_adapter(hf_model: nn.Module, out: str | Path, *, dtype: 
     with atomic_directory(out, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         peft_config.save_pretrained(str(tmp))
+        if aux_dir is not None:
+            copy_aux_files(aux_dir, tmp)
     return Path(out)
 
 

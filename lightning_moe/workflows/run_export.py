@@ -11,7 +11,6 @@ of a family with a native decoder, ``pretrained: DIR`` (Hugging Face or imported
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,14 @@ from lightning_moe.models.hf import (
     HFModelConfig,
     build_hf_model,
     hf_converters,
+    model_dir,
     read_config_json,
     resolve_model_dir,
 )
-from lightning_moe.modules.causal_lm import build_decoder
 from lightning_moe.modules.restore import run_module
 from lightning_moe.peft.hf_adapter import export_hf_adapter, export_transformers_adapter
 from lightning_moe.peft.lora import is_adapter_parameter
+from lightning_moe.workflows.run_files import base_model_name, run_files
 
 
 def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None = None, quantize: str | None = None,
@@ -58,17 +58,16 @@ def export_run(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype | None =
 
 
 def _export_native_run(ckpt, checkpoint: dict[str, Any], module, out, **options) -> Path:
-    source = open_checkpoint(Path(module.pretrained).expanduser()) if module.pretrained else None
+    source = open_checkpoint(model_dir(module.pretrained, "pretrained")) if module.pretrained else None
     config = module.resolved_config()
     # names only: each tensor is read when the export writes it (a distributed checkpoint reads it from its shards)
     stored, keys = checkpoint["state_dict"], model_tensor_keys(checkpoint)
     missing = sorted(set(expected_tensors(config)) - set(keys))
     if missing:
         raise ValueError(f"{ckpt}: the checkpoint lacks {len(missing)} model tensor(s), e.g. {missing[0]!r}")
-    return export_hf_tensors(
-        config, lambda name: stored[keys[name]], out, hf_config=getattr(source, "hf_config", None),
-        aux_dir=getattr(source, "directory", None), **options,
-    )
+    with run_files(checkpoint, module) as aux_dir:
+        return export_hf_tensors(config, lambda name: stored[keys[name]], out,
+                                 hf_config=getattr(source, "hf_config", None), aux_dir=aux_dir, **options)
 
 
 def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, module, dtype: torch.dtype | None = None,
@@ -78,7 +77,8 @@ def export_hf_run(checkpoint: dict[str, Any], out: str | Path, *, module, dtype:
     directory. LoRA runs are exported merged; their checkpoints hold only adapters, the base comes from
     ``model.hf`` as in the run."""
     model, _ = _hf_run_model(checkpoint, module)
-    return export_hf_model(model.hf, out, dtype=dtype, aux_dir=model.model_dir, overwrite=overwrite)
+    with run_files(checkpoint, module) as aux_dir:
+        return export_hf_model(model.hf, out, dtype=dtype, aux_dir=aux_dir, overwrite=overwrite)
 
 
 def _hf_run_model(checkpoint: dict[str, Any], module) -> tuple[Any, str]:
@@ -122,10 +122,8 @@ def _adapted_model(path: Path, checkpoint: dict[str, Any], module) -> LoraRun:
     if module.pretrained is None:
         raise ValueError(f"{path}: the run trained adapters on a randomly initialized model (no model.hf or "
                          f"`pretrained` base); a LoRA checkpoint does not hold frozen weights")
-    source = open_checkpoint(Path(module.pretrained).expanduser())
-    # the checkpoint holds the trained adapters: the run's starting adapter is not needed
-    peft = dataclasses.replace(module.peft, adapter_path=None)
-    model = build_decoder(config, seed=module.seed, source=source, peft=peft)
+    source = open_checkpoint(model_dir(module.pretrained, "pretrained"))
+    model = module.build_inference_model()  # the base's weights and fresh adapters, for the trained ones
     stored = dict(model_tensors(checkpoint))
     copy_tensors_into(model, stored.items())
     trained = sorted(name for name, tensor in stored.items() if not is_adapter_parameter(name)
@@ -153,25 +151,29 @@ def export_lora_run(ckpt: str | Path, *, adapter_out: str | Path | None = None, 
     run = _adapted_model(Path(ckpt).expanduser(), checkpoint, module)
     hf_config = getattr(run.source, "hf_config", None)
     written = []
-    if adapter_out is not None:
-        written.append(export_hf_adapter(run.model, adapter_out, hf_config=hf_config, trained=run.trained,
-                                         dtype=dtype, overwrite=overwrite))
-    if merged_out is not None:
-        written.append(export_merged_hf(run.model, merged_out, hf_config=hf_config, dtype=dtype,
-                                        aux_dir=run.source.directory, overwrite=overwrite))
+    with run_files(checkpoint, module) as aux_dir:
+        if adapter_out is not None:
+            written.append(export_hf_adapter(run.model, adapter_out, hf_config=hf_config, trained=run.trained,
+                                             dtype=dtype, base_model=base_model_name(module), aux_dir=aux_dir,
+                                             overwrite=overwrite))
+        if merged_out is not None:
+            written.append(export_merged_hf(run.model, merged_out, hf_config=hf_config, dtype=dtype, aux_dir=aux_dir,
+                                            overwrite=overwrite))
     return written
 
 
 def _export_transformers_lora_run(ckpt, checkpoint: dict[str, Any], module, adapter_out, merged_out,
                                   dtype: torch.dtype | None, overwrite: bool) -> list[Path]:
     model, task = _hf_run_model(checkpoint, module)
+    if adapter_out is not None and task != "causal-lm":
+        raise ValueError(f"{ckpt}: PEFT adapter export of a transformers-path run covers causal LMs, this run "
+                         f"trained a {task} model; export it merged (--merged-out)")
     written = []
-    if adapter_out is not None:
-        if task != "causal-lm":
-            raise ValueError(f"{ckpt}: PEFT adapter export of a transformers-path run covers causal LMs, this run "
-                             f"trained a {task} model; export it merged (--merged-out)")
-        written.append(export_transformers_adapter(model.hf, adapter_out, dtype=dtype, overwrite=overwrite))
-    if merged_out is not None:
-        written.append(export_hf_model(model.hf, merged_out, dtype=dtype, aux_dir=model.model_dir,
-                                       overwrite=overwrite))
+    with run_files(checkpoint, module) as aux_dir:
+        if adapter_out is not None:
+            written.append(export_transformers_adapter(model.hf, adapter_out, dtype=dtype,
+                                                       base_model=base_model_name(module), aux_dir=aux_dir,
+                                                       overwrite=overwrite))
+        if merged_out is not None:
+            written.append(export_hf_model(model.hf, merged_out, dtype=dtype, aux_dir=aux_dir, overwrite=overwrite))
     return written

@@ -125,3 +125,45 @@ def test_the_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_the_real_measurement_is_a_plausible_rate():
     rate = peak_flops.measure_cpu_peak_flops(torch.float32, size=256, repeats=2)
     assert 1e8 < rate < 1e14
+
+
+def test_validation_runs_every_val_check_interval_optimizer_steps(tmp_path):
+    """With 3 micro-batches per optimizer step, ``val_check_interval: 2`` validates after steps 2, 4 and 6 (Lightning
+    alone: every 2 micro-batches), the steps the bar and the loggers count."""
+    from lightning_moe.callbacks import ValidationInSteps
+
+    class Validated(TinyLM):
+        def validation_step(self, batch, batch_idx):
+            self.validated_at.append(self.trainer.global_step)
+
+    module = Validated()
+    module.validated_at = []
+    trainer = make_trainer(tmp_path, [ValidationInSteps()], max_steps=6, accumulate_grad_batches=3,
+                           val_check_interval=2, limit_val_batches=1)
+    trainer.fit(module, loader(rows=64), loader(rows=2))
+    assert module.validated_at == [2, 4, 6]
+
+
+def test_off_a_terminal_the_cli_prints_step_lines(tmp_path):
+    """A plain line every log_every_n_steps optimizer steps (and at the last), with the values logged at that step."""
+    import io
+
+    from lightning_moe.callbacks import StepLines, Throughput
+
+    stream = io.StringIO()
+    trainer = make_trainer(tmp_path, [Throughput(), StepLines(stream)], max_steps=5, accumulate_grad_batches=2,
+                           enable_progress_bar=True, log_every_n_steps=2)
+    trainer.fit(TinyLM(), loader())
+    lines = stream.getvalue().splitlines()
+    steps = [line.split("] Step ")[1].split(" |")[0] for line in lines if "] Step " in line]
+    assert steps == ["2/5", "4/5", "5/5"]
+    step_time = float(trainer.callback_metrics["perf/step_time_s"])
+    assert f"step time {step_time:.4g} s" in lines[-2]  # the last step's own value, not the previous step's
+    assert lines[-1].split("] ")[1].startswith("Training ended at step 5")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from lightning_moe.callbacks import Preemption
+
+    replaced = replace_lightning_defaults([RichProgressBar(), Throughput(), Preemption()], terminal=False)
+    # after the callbacks whose values it prints, before the one that can end the run at a step's end
+    assert [type(c).__name__ for c in replaced] == ["Throughput", "StepLines", "Preemption"]

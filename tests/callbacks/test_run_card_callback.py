@@ -60,7 +60,7 @@ def test_run_card_fields_and_files(tmp_path, capsys):
     assert card["precision"] == "32-true" and card["steps"] == 4
 
     step_losses = card["series"]["loss"]
-    assert card["series"]["step"] == [1, 2, 3, 4]
+    assert card["series"]["step"] == [0, 1, 2, 3]  # as the loggers number optimizer steps 1-4
     assert step_losses == pytest.approx([losses.step_mean(step, 2) for step in (1, 2, 3, 4)], rel=1e-5)
     assert card["initial_loss"] == step_losses[0] and card["final_loss"] == step_losses[-1]
     assert all(t > 0 for t in card["series"]["step_time_s"])
@@ -98,7 +98,7 @@ def test_run_card_is_written_when_the_run_fails(tmp_path):
         trainer.fit(Crashes(), loader())
     card = json.loads((tmp_path / "run" / "version_0" / "run_card.json").read_text())
     assert card["status"] == "failed: RuntimeError: data went missing"
-    assert card["series"]["step"] == [1, 2] and card["steps"] == 2
+    assert card["series"]["step"] == [0, 1] and card["steps"] == 2
 
 
 def test_without_step_stats_the_card_takes_the_last_micro_batch_loss(tmp_path):
@@ -121,3 +121,32 @@ def test_long_runs_keep_an_evenly_thinned_series():
     steps = list(series.by_step)
     assert 50 <= len(steps) <= 100
     assert steps == list(range(series.stride, 1001, series.stride)) and series.stride == 16
+
+
+def test_an_early_stop_is_named_and_later_commands_leave_the_card(tmp_path):
+    """EarlyStopping's reason is the card's status; a validate and a failing predict on the same trainer afterwards
+    (as a notebook does) neither rewrite nor replace it."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    class Evaluated(TinyLM):
+        def validation_step(self, batch, batch_idx):
+            out = self.model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+            self.log("val/loss", out.loss_sum / out.num_label_tokens)
+
+        def predict_step(self, batch, batch_idx):
+            raise ValueError("no prompts here")
+
+    stop = EarlyStopping(monitor="val/loss", stopping_threshold=100.0)  # any finite loss is below it
+    trainer = make_trainer(tmp_path, [RunCard(print_card=False), stop], max_steps=20, val_check_interval=2)
+    module = Evaluated()
+    trainer.fit(module, loader(), loader(rows=4))
+    path = tmp_path / "run" / "version_0" / "run_card.json"
+    card = json.loads(path.read_text())
+    assert trainer.global_step == 2 < 20
+    assert card["status"] == f"stopped early by EarlyStopping at step 2: {stop.stopping_reason_message}"
+    assert "Stopping threshold reached" in card["status"]
+    written = path.read_text()
+    trainer.validate(module, loader(rows=4))
+    with pytest.raises(ValueError, match="no prompts here"):
+        trainer.predict(module, loader(rows=4))
+    assert path.read_text() == written

@@ -118,6 +118,16 @@ def test_peft_adapter_merged_export_and_trained_model_agree(exported):
         assert config["target_parameters"], case
     # aux-loss-free balancing moved Nemotron-H's router bias: the routers travel whole (peft's modules_to_save)
     assert bool(config["modules_to_save"]) == (case == "nemotron_h pretrained"), case
+    # the adapter names its base; a Hugging Face base is what AutoPeftModelForCausalLM loads it onto
+    imported = case == "qwen3_moe imported"
+    assert config["base_model_name_or_path"] == str((root / "imported" if imported else base).resolve()), case
+    if not imported:
+        with torch.no_grad():
+            auto = peft.AutoPeftModelForCausalLM.from_pretrained(root / "adapter", dtype=torch.float32).eval()
+            assert (auto(ids).logits - adapted).abs().max() <= TOL, case
+    # the tokenizer of a run that trained with one (the SFT data of the Nemotron-H twin) travels with both exports
+    for export in (root / "adapter", root / "merged"):
+        assert (export / "tokenizer.json").is_file() == (case == "nemotron_h pretrained"), (case, export)
 
 
 def test_mtp_adapters_travel_with_the_adapter_and_the_merged_export(exported):

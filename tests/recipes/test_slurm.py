@@ -29,7 +29,7 @@ def test_rendered_script_is_valid_bash_with_one_task_per_gpu(capsys, tmp_path, n
     for line in (f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --signal=SIGUSR1@90", "#SBATCH --requeue", "#SBATCH --time=01:30:00",
                  "#SBATCH --partition=batch", "#SBATCH --account=proj",
-                 "#SBATCH --output=runs/qwen3_moe_30b_benchmark/logs/%x-%j.out",
+                 f"#SBATCH --output={Path.cwd()}/runs/qwen3_moe_30b_benchmark/logs/%x-%j.out", f"#SBATCH --chdir={Path.cwd()}",
                  "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", 'export MASTER_PORT="${MASTER_PORT:-'):
         assert line in script
     assert "srun --kill-on-bad-exit=1" in script
@@ -44,6 +44,19 @@ def test_environment_is_a_container_or_a_venv(capsys):
     assert "srun --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/pytorch:25.11-py3" in script
     assert "--container-mounts=/data:/data" in script
     assert "source /opt/venv/bin/activate" in render(capsys, "--venv", "/opt/venv")
+    assert main(["slurm", "--config", RECIPE, "--dry-run", "--venv", "/opt/venv", "--container-image", "img:1"]) == 0
+    assert "--venv /opt/venv and --container-image img:1 both given" in capsys.readouterr().err
+
+
+def test_the_job_runs_where_the_script_was_rendered_with_absolute_paths(capsys, tmp_path, monkeypatch):
+    """Submitted from anywhere (sbatch's working directory is the submitting shell's), the recipe's relative paths
+    mean what they meant where the script was made."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", "--config", RECIPE, "--run-dir", "runs/here", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert f"#SBATCH --chdir={tmp_path}" in script and f"\ncd {tmp_path}\n" in script
+    assert f"RUN_DIR={tmp_path / 'runs' / 'here'}" in script
+    assert f"#SBATCH --output={tmp_path / 'runs' / 'here' / 'logs'}/%x-%j.out" in script
 
 
 def fake_commands(directory: Path, *names: str) -> dict[str, str]:

@@ -159,3 +159,13 @@ def test_run_checkpoint_exports_the_image_text_to_text_model(tmp_path):
     assert all(torch.equal(exported[k], trained[k]) for k in exported)
     start = t.AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).state_dict()
     assert not torch.equal(exported["model.visual.blocks.0.attn.qkv.weight"], start["model.visual.blocks.0.attn.qkv.weight"])
+    # the run loaded back for inference: the trained weights, and forward gives the trained model's logits
+    loaded = VisionLM.load_from_checkpoint(checkpoint)
+    assert not loaded.training and loaded.hf_task == "image-text-to-text"
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.model.hf.state_dict().items())
+    batch = next(iter(trainer.datamodule.train_dataloader()))
+    module.eval()
+    with torch.no_grad():
+        logits = loaded(batch)
+        assert logits.shape[:2] == batch["input_ids"].shape
+        torch.testing.assert_close(logits, module(batch), rtol=0, atol=1e-5)

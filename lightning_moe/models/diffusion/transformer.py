@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
-from lightning_moe.models.hf import _layer_units, _restore_buffers, materialize, parameters_on_meta
+from lightning_moe.models.hf import _layer_units, materialize_with_buffers, parameters_on_meta
 from lightning_moe.models.lora_init import reset_lora_parameters
 from lightning_moe.models.weights import copy_tensors_into
 
@@ -62,9 +62,7 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
         model.transformer.get_parameter(name).requires_grad_(False)
     if parallelize is not None:
         parallelize(model)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    materialize(model, device)
-    _restore_buffers(model, buffers, device)
+    materialize_with_buffers(model, device)
     reader = SafetensorsDir(family.transformer_dir)
     try:
         copy_tensors_into(model.transformer, ((name, reader.get(name)) for name in reader.keys()))
