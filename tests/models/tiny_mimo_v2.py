@@ -29,13 +29,13 @@ MLP_TYPES = ["dense", "sparse", "sparse"]
 MTP_DEPTHS = 2
 
 
-def flash_config(layer_types=LAYER_TYPES, mlp_types=MLP_TYPES):
+def flash_config(layer_types=LAYER_TYPES, mlp_types=MLP_TYPES, vocab: int = VOCAB):
     import transformers
 
     rope = {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": ROTARY}
             for kind, theta in (("full_attention", THETA), ("sliding_attention", SWA_THETA))}
     return transformers.MiMoV2FlashConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=len(layer_types), num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM,
         v_head_dim=V_DIM, n_routed_experts=8, num_experts_per_tok=2, layer_types=list(layer_types),
         mlp_layer_types=list(mlp_types), rope_parameters=rope, sliding_window=WINDOW,
@@ -55,10 +55,10 @@ def _randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def reference_model(seed: int = 0):
+def reference_model(seed: int = 0, vocab: int = VOCAB):
     import transformers
 
-    return _randomized(transformers.AutoModelForCausalLM.from_config(flash_config()), seed)
+    return _randomized(transformers.AutoModelForCausalLM.from_config(flash_config(vocab=vocab)), seed)
 
 
 class ReferenceMTP(torch.nn.Module):
@@ -115,11 +115,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shards: int) -> 
     return torch.cat([torch.cat([q.chunk(shards)[s], k.chunk(shards)[s], v.chunk(shards)[s]]) for s in range(shards)])
 
 
-def mimo_v2_hub_config(dtype: torch.dtype, depths: int = MTP_DEPTHS, fused: bool = True) -> dict:
+def mimo_v2_hub_config(dtype: torch.dtype, depths: int = MTP_DEPTHS, fused: bool = True, vocab: int = VOCAB) -> dict:
     """config.json in the published V2.6-Flash config's keys."""
     sliding = [int(t == "sliding_attention") for t in LAYER_TYPES]
     return {
-        "architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2", "vocab_size": vocab, "hidden_size": HIDDEN,
         "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": len(LAYER_TYPES),
         "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM, "v_head_dim": V_DIM,
         "swa_num_attention_heads": HEADS, "swa_num_key_value_heads": 2 * KV, "swa_head_dim": HEAD_DIM,
@@ -156,12 +156,12 @@ def hub_tensors(model, depths: list[ReferenceMTP], fused: bool = True) -> dict[s
 
 
 def save_mimo_v2(path: Path, dtype: torch.dtype = torch.float32, depths: int = MTP_DEPTHS, fused: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, vocab: int = VOCAB):
     """Writes the hub directory; returns (transformers reference model, reference MTP layers)."""
-    model = reference_model(seed)
+    model = reference_model(seed, vocab)
     layers = [ReferenceMTP(seed + 1 + d) for d in range(depths)]
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype) for k, v in hub_tensors(model, layers, fused).items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(mimo_v2_hub_config(dtype, depths, fused), indent=2))
+    (path / "config.json").write_text(json.dumps(mimo_v2_hub_config(dtype, depths, fused, vocab), indent=2))
     return model, layers
