@@ -336,3 +336,15 @@ def test_the_pro_config_builds_the_hubs_tensors():
                 names += 1
     assert sum(t.numel() for t in state.values()) + scales == 1_023_244_718_976
     assert names == 159_581
+
+
+def test_model_attention_backend_chooses_the_native_kernel(checkpoint):
+    from lightning_moe.models.hf import HFModelConfig
+    from lightning_moe.modules.causal_lm import CausalLM
+
+    config = CausalLM(model=HFModelConfig(hf=str(checkpoint[0]), attention_backend="flex")).resolved_config()
+    assert (config.attention.backend, config.sliding_attention.backend) == ("flex", "flex")
+    assert CausalLM(model=HFModelConfig(hf=str(checkpoint[0]))).resolved_config().attention.backend == "sdpa"
+    through_transformers = CausalLM(model=HFModelConfig(hf=str(checkpoint[0]), native="never", attention_backend="flex"))
+    with pytest.raises(ValueError, match="model.attention_backend='flex' chooses the native decoder's kernel"):
+        through_transformers.resolved_config()
