@@ -348,3 +348,24 @@ def test_model_attention_backend_chooses_the_native_kernel(checkpoint):
     through_transformers = CausalLM(model=HFModelConfig(hf=str(checkpoint[0]), native="never", attention_backend="flex"))
     with pytest.raises(ValueError, match="model.attention_backend='flex' chooses the native decoder's kernel"):
         through_transformers.resolved_config()
+
+
+def test_omni_towers_are_skipped_and_said(tmp_path, caplog):
+    """A V2.5/V2.6 omni checkpoint's vision and audio tensors have no native module: import skips them with a
+    warning naming them (text-only training); an unknown tensor is still an error."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "hub"
+    save_mimo_v2(source, torch.bfloat16, depths=0)
+    tensors = load_file(source / "model.safetensors")
+    tensors.update({"visual.blocks.0.attn.qkv.weight": torch.zeros(8, 4), "speech_embeddings.weight": torch.zeros(4)})
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="lightning_moe.checkpoint.source"):
+        import_hf_checkpoint(source, tmp_path / "native")
+    assert "skipping 2 hub tensor(s) 'speech_embeddings.weight', 'visual.blocks.0.attn.qkv.weight'" in caplog.text
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.zeros(4)
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor.*q_norm"):
+        import_hf_checkpoint(source, tmp_path / "again")
