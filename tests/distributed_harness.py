@@ -18,6 +18,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
+# Every wait of the tests on another process ends on that process's exit, a file or a queue; this deadline only
+# stops a true hang. It is far above any run's duration on a loaded 2-core machine (the slowest launch takes about
+# two minutes there), so a slow machine never turns a test red.
+HANG_GUARD_S = 1800
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -51,7 +56,7 @@ def _worker(rank: int, world_size: int, port: int, errors, fn, args, env: dict[s
     os._exit(0)
 
 
-def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 300,
+def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = HANG_GUARD_S,
                          init_process_group: bool = True) -> None:
     """Call ``fn(*args)`` on ``world_size`` gloo ranks; raise the first error any rank hits here.
 

@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from distributed_harness import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_dry_run(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "benchmarks/gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                          capture_output=True, text=True, timeout=HANG_GUARD_S, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = result["sections"]

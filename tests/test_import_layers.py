@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import grimp
+from distributed_harness import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     command = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or "lint-imports"
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run([command, "--no-cache", "--config", str(root / "pyproject.toml")], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_the_layer_contract_is_kept():

@@ -1,10 +1,9 @@
-"""Throughput in a real Lightning run: step times against the wall clock, tokens against the data fed in,
+"""Throughput in a real Lightning run: step times against the clock the steps advance, tokens against the data fed in,
 FLOPs against the model-FLOPs formula on the very batches, MFU against the given peak."""
 
 from __future__ import annotations
 
 import csv
-import time
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -17,47 +16,66 @@ from lightning_moe.callbacks.peak_flops import PEAK_FLOPS, cpu_peak_flops, looku
 from lightning_moe.models.flops import batch_flops
 
 
-class WallClock(pl.Callback):
-    """Wall time from the first micro-batch to the last step's end, and the validation runs in between."""
+class FakeClock:
+    """The clock the Throughput callback reads (its module's ``time``), advanced only by the steps' ``sleep``: the
+    intervals it measures are then exact sums of the sleeps, whatever else the machine is doing."""
 
     def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    from lightning_moe.callbacks import throughput
+
+    fake = FakeClock()
+    monkeypatch.setattr(throughput, "time", fake)
+    return fake
+
+
+class WallClock(pl.Callback):
+    """Clock time from the first micro-batch to the last step's end, and the validation runs in between."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
         self.start = self.end = None
         self.validations: list[tuple[float, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.start = self.start or time.perf_counter()
+        self.start = self.start or self.clock.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.end = time.perf_counter()
+        self.end = self.clock.perf_counter()
 
     def on_validation_start(self, trainer, pl_module):
-        self._val = time.perf_counter()
+        self._val = self.clock.perf_counter()
 
     def on_validation_end(self, trainer, pl_module):
-        self.validations.append((self._val, time.perf_counter()))
+        self.validations.append((self._val, self.clock.perf_counter()))
 
     def validating(self) -> float:
         return sum(end - start for start, end in self.validations if end <= self.end)
 
 
 class SlowSteps(TinyLM):
-    """Micro-batches of tens of ms, so the few ms of hook and logging work a loaded machine adds around the
-    timed intervals stay small against them."""
+    """Micro-batches that take 20 ms of the fake clock each, validation batches 200 ms."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock = clock
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.02)
-        return super().training_step(batch, batch_idx)
-
-
-class SlowValidation(TinyLM):
-    """Steps and validations long enough (tens of ms) that hook overhead is small against them."""
-
-    def training_step(self, batch, batch_idx):
-        time.sleep(0.05)
+        self.clock.sleep(0.02)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch, batch_idx):
-        time.sleep(0.2)
+        self.clock.sleep(0.2)
 
 
 def logged_rows(trainer) -> list[dict[str, str]]:
@@ -65,17 +83,18 @@ def logged_rows(trainer) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_throughput_counts_steps_tokens_and_flops(tmp_path):
+def test_throughput_counts_steps_tokens_and_flops(tmp_path, clock):
     accumulate, steps = 2, 5
     throughput = Throughput(window=3, warmup_steps=1, peak_flops=2e12)
-    clock = WallClock()  # after Throughput: its step end is timed after Throughput's
-    trainer = make_trainer(tmp_path, [throughput, clock], max_steps=steps, accumulate_grad_batches=accumulate)
-    trainer.fit(SlowSteps(), loader())
+    wall = WallClock(clock)  # after Throughput: its step end is timed after Throughput's
+    trainer = make_trainer(tmp_path, [throughput, wall], max_steps=steps, accumulate_grad_batches=accumulate)
+    trainer.fit(SlowSteps(clock), loader())
 
     history = throughput.history.values()
     assert [s.step for s in history] == list(range(1, steps + 1))
-    # the intervals tile the wall time of training
-    assert sum(s.step_time_s for s in history) == pytest.approx(clock.end - clock.start, rel=0.05)
+    # the intervals tile the time of training: each step is its micro-batches' 2 x 20 ms
+    assert [s.step_time_s for s in history] == pytest.approx([accumulate * 0.02] * steps)
+    assert sum(s.step_time_s for s in history) == pytest.approx(wall.end - wall.start)
 
     data = PackedRows()
     per_step = MICRO_BATCH * accumulate
@@ -104,15 +123,16 @@ def test_throughput_counts_steps_tokens_and_flops(tmp_path):
     assert float(rows[-1]["perf/step_time_s"]) == pytest.approx(mean_time)
 
 
-def test_throughput_excludes_validation_and_measures_the_cpu_peak(tmp_path):
-    throughput, clock = Throughput(window=10), WallClock()
-    trainer = make_trainer(tmp_path, [throughput, clock], max_steps=4, val_check_interval=2,
+def test_throughput_excludes_validation_and_measures_the_cpu_peak(tmp_path, clock):
+    throughput, wall = Throughput(window=10), WallClock(clock)
+    trainer = make_trainer(tmp_path, [throughput, wall], max_steps=4, val_check_interval=2,
                            limit_val_batches=2, check_val_every_n_epoch=None)
-    trainer.fit(SlowValidation(), loader(), loader(rows=4, seed=1))
-    # validation after steps 2 and 4; the second one comes after the last step
-    assert len(clock.validations) == 2 and clock.validating() >= 0.4
+    trainer.fit(SlowSteps(clock), loader(), loader(rows=4, seed=1))
+    # validation (2 x 200 ms) after steps 2 and 4; the second one comes after the last step
+    assert len(wall.validations) == 2 and wall.validating() == pytest.approx(0.4)
+    assert [s.step_time_s for s in throughput.history.values()] == pytest.approx([0.02] * 4)
     total = sum(s.step_time_s for s in throughput.history.values())
-    assert total == pytest.approx(clock.end - clock.start - clock.validating(), rel=0.05)
+    assert total == pytest.approx(wall.end - wall.start - wall.validating())
     summary = throughput.summary()
     assert summary["device"] == "cpu" and summary["peak_flops_source"].startswith("measured")
     assert summary["peak_flops_per_gpu"] == cpu_peak_flops(torch.float32)[0]

@@ -52,7 +52,7 @@ def converted(tmp_path_factory) -> tuple[Path, list[dict], dict[str, int]]:
         import_hf_checkpoint(work / f"{name}-hub", work / f"{name}-native")  # the one-process conversion
         one_process_peaks[name] = peak_rss_since_reset() - before
         export_hf_checkpoint(work / f"{name}-native", work / f"{name}-one-process")
-    run_distributed_test(convert_on_every_rank, WORLD, work, ["warmup", *MODELS], timeout=900)
+    run_distributed_test(convert_on_every_rank, WORLD, work, ["warmup", *MODELS])
     return work, [json.loads((work / f"rank{r}.json").read_text()) for r in range(WORLD)], one_process_peaks
 
 

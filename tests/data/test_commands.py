@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+from distributed_harness import HANG_GUARD_S
 
 from lightning_moe.data import IndexedDataset, SFTDataModule
 from lightning_moe.data.commands import main
@@ -105,7 +106,7 @@ def test_module_entry_point_in_subprocess(tmp_path, tokenizer_path, data_dir):
         [sys.executable, "-m", "lightning_moe.data.commands", "index", "--input",
          str(data_dir / "pretrain_sample.jsonl"), "--tokenizer", tokenizer_path, "--output-prefix",
          str(tmp_path / "p"), "--append-eod"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True, text=True, env=env, timeout=HANG_GUARD_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["documents"] == 200

@@ -6,13 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from distributed_harness import HANG_GUARD_S
+
 
 def test_import_does_not_load_heavy_libraries():
     # lightning itself may import transformers (through its optional integrations): count only what we add
     code = ("import sys; heavy = ('datasets', 'transformers', 'pyarrow'); import lightning; "
             "before = {m for m in heavy if m in sys.modules}; import lightning_moe.data; "
             "print(sorted(m for m in heavy if m in sys.modules and m not in before))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 import yaml
+from distributed_harness import HANG_GUARD_S  # every wait ends on a file or an exit: this stops only a hang
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "tiny" / "moe_benchmark.yaml"
 MAX_STEPS = 8
 EXECUTABLE = Path(sys.executable).parent / "lightning-moe"
 SLURM_JOB = "4242"
-HANG_GUARD_S = 600  # only against a hung child: every wait ends on a file or an exit
 # the environment before any in-process run: Lightning sets MASTER_PORT, ranks and seeds in os.environ
 BASE_ENV = dict(os.environ)
 

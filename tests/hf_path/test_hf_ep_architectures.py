@@ -67,8 +67,7 @@ def assert_matches_one_process(root, single: dict, name: str) -> None:
 def run_layout(checkpoints, ranks: int) -> None:
     root, single = checkpoints
     architectures = {name: name in WITH_BIAS for name in ARCHITECTURES}
-    run_distributed_test(every_architecture, ranks, str(root), architectures, {"dp_shard": ranks, "ep": ranks},
-                         timeout=900)
+    run_distributed_test(every_architecture, ranks, str(root), architectures, {"dp_shard": ranks, "ep": ranks})
     for name in ARCHITECTURES:
         assert_matches_one_process(root, single, name)
 
@@ -144,4 +143,4 @@ def test_pp2_stages_of_glm_moe_dsa_and_laguna_match_one_process(checkpoints):
     root, _ = checkpoints
     references = {f"hf:{root / name}": pipeline_cases.fit(f"hf:{root / name}", None, root / f"pp1_{name}")
                   for name in ("glm_moe_dsa", "laguna")}
-    run_distributed_test(pipelines_match, 2, str(root), references, timeout=900, init_process_group=False)
+    run_distributed_test(pipelines_match, 2, str(root), references, init_process_group=False)

@@ -18,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed_harness import HANG_GUARD_S
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 import lightning_moe.kernels.flex as flex_kernels
@@ -173,7 +174,7 @@ def test_packed_flex_attention_is_right_with_avx2_code(tmp_path):
     """)
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["error"] < 1e-5

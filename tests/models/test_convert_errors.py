@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from distributed_harness import HANG_GUARD_S
 from safetensors.torch import load_file, save_file
 from tiny_hf import save_tiny
 
@@ -82,7 +83,7 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys, hf_dir):
 def test_console_script_round_trip(tmp_path, hf_dir):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "lightning_moe.cli", "convert", *args],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=HANG_GUARD_S)
 
     assert run("import", "--hf-path", str(hf_dir), "--out", str(tmp_path / "native")).returncode == 0
     assert run("export", "--ckpt", str(tmp_path / "native"), "--out", str(tmp_path / "export")).returncode == 0

@@ -9,6 +9,7 @@ import sys
 import lightning as L
 import pytest
 import yaml
+from distributed_harness import HANG_GUARD_S
 
 from lightning_moe.cli import add_missing_callbacks, main
 
@@ -33,7 +34,7 @@ def test_unknown_key_is_named_and_nothing_trains(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", "configs/quickstart.yaml",
          "--model.init_args.model.hiden_size", "64", "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert out.returncode != 0
     assert "hiden_size" in out.stderr
@@ -44,7 +45,7 @@ def test_missing_data_path_fails_before_training(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", "configs/quickstart.yaml",
          "--data.init_args.dataset", str(tmp_path / "missing.jsonl"), "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert out.returncode != 0
     assert "missing.jsonl" in out.stderr
@@ -88,7 +89,7 @@ def test_a_run_logs_tensorboard_and_csv_by_default_and_the_card_says_where(tmp_p
     out = subprocess.run(
         [sys.executable, "-m", "lightning_moe.cli", "fit", "--config", "configs/quickstart.yaml",
          "--trainer.max_steps", "2", "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "lightning_logs" / "version_0"

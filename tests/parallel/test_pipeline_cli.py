@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed_harness import HANG_GUARD_S
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +26,7 @@ def fit(root: Path, *overrides: str) -> dict:
                f"--trainer.max_steps={STEPS}", "--trainer.enable_progress_bar=false",
                f"--trainer.default_root_dir={root}", *overrides]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (card,) = root.rglob("run_card.json")
     return json.loads(card.read_text())

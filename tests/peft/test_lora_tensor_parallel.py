@@ -33,8 +33,7 @@ def test_tensor_parallel_lora_run_exports_the_one_process_run(tmp_path):
     import transformers
 
     base = save_tiny("qwen3_moe", tmp_path / "base")
-    run_distributed_test(fit_lora, 2, str(base), str(tmp_path / "tp"), {"tp": 2}, init_process_group=False,
-                         timeout=600)
+    run_distributed_test(fit_lora, 2, str(base), str(tmp_path / "tp"), {"tp": 2}, init_process_group=False)
     fit_lora(str(base), str(tmp_path / "one"), None)
 
     tp_losses = json.loads((tmp_path / "tp" / "losses.json").read_text())

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 def test_converters_under_fsdp_and_expert_parallelism(tmp_path):
     base = save_tiny("qwen3_moe", tmp_path / "base")
     run_distributed_test(parallel_converter_cases.check_converters, 2, str(base), str(tmp_path),
-                         init_process_group=False, timeout=900)
+                         init_process_group=False)
 
     # the LoRA run's distributed checkpoint exports on one process: the adapters the ranks held at step 2
     checkpoint = tmp_path / "lora_fsdp" / "full" / "ckpt" / "epoch=0-step=2.ckpt"
