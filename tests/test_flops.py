@@ -163,3 +163,26 @@ def test_batch_flops_counts_label_tokens_in_the_output_layer():
     everything = batch_flops(cfg, batch["position_ids"])
     only_labels = batch_flops(cfg, batch["position_ids"], batch["labels"])
     assert everything - only_labels == pytest.approx(6 * cfg.hidden_size * cfg.vocab_size * (BATCH * SEQ - labelled))
+
+
+def test_per_block_attention_settings_match_flop_counter():
+    """MiMo-V2's attention: sliding blocks with their own kv heads and sinks (the eager sink path), value heads
+    narrower than the query/key heads, and MTP depths whose attention slides; each block counted with its own
+    settings (``ModelConfig.attention_for``)."""
+    swa = AttentionConfig(num_heads=4, num_kv_heads=4, head_dim=16, v_head_dim=8, sinks=True, value_scale=0.7)
+    cfg = dense_config(
+        pattern="*-*E", attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=8,
+                                                  value_scale=0.7, sliding_window=8,
+                                                  sliding_window_layers=[False, True, True]),
+        sliding_attention=swa, moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=40, backend="loop"),
+        mtp=MTPConfig(num_layers=2, pattern="*-"))
+    batch = packed_batch(cfg.vocab_size, labelled_fraction=0.6)
+    counted = counted_training_flops(build(cfg), batch)
+    seqs = Sequences.from_position_ids(batch["position_ids"])
+    fwd = forward_flops(cfg, seqs, output_token_counts(cfg, batch["position_ids"], batch["labels"]))
+    scores = 0
+    for att in (cfg.attention, swa, swa, swa):  # the backbone's two blocks, then each MTP depth's
+        q, k, v = ((BATCH, heads, SEQ, dim) for heads, dim in ((att.num_heads, 16), (att.num_kv_heads, 16),
+                                                              (att.num_kv_heads, 8)))
+        scores += 3 * sdpa_flop_count(q, k, v)
+    assert counted == pytest.approx(3 * fwd.weights + scores, rel=1e-6)

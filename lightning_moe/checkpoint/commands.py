@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                      "(.ckpt file or distributed directory: native, LoRA (exported merged) or model: {hf: ...})")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
-    exp.add_argument("--quantize", choices=["fp8-block", "mxfp4"], default=None,
-                     help="write the hub's quantized layout (DeepSeek-V3 block FP8, GPT-OSS MXFP4 experts)")
+    exp.add_argument("--quantize", choices=["fp8-block", "mxfp4", "fp8-mxfp4"], default=None,
+                     help="write the hub's quantized layout (DeepSeek-V3 / MiMo-V2.5 block FP8, GPT-OSS MXFP4 "
+                          "experts, MiMo-V2.6 FP8 with MXFP4 experts)")
     exp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
     exp.add_argument("--distributed-save", action="store_true", help="on N launched ranks (torchrun): every rank "
                      "writes the files of its experts and tensors, rank 0 the index")

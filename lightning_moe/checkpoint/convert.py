@@ -96,8 +96,10 @@ def write_hub_tensors(writer: ShardedWriter, family: Family, names: Sequence[str
     them quantized (block size from ``hf``'s ``quantization_config``)."""
     block = fp8_block_size(hf.get("quantization_config") or {})
     for name, part in zip(names, tensors, strict=True):
-        if quantize is not None and family.quantizes(name, quantize):
-            for quantized_name, quantized in quantized_hub_tensors(name, part, quantize, block):
+        encoding = None if quantize is None else family.hub_encoding(name, quantize)
+        if encoding is not None:
+            shards = family.quantization_row_shards(name, hf)
+            for quantized_name, quantized in quantized_hub_tensors(name, part, encoding, block, shards):
                 writer.add(quantized_name, quantized)
         else:
             writer.add(name, part)
@@ -121,7 +123,8 @@ def hub_quantization_config(family: Family, method: str, original: dict[str, Any
     default = family.hf_quantization_config(method)
     if default is None:
         raise ValueError(f"quantize={method!r}: {family.name} checkpoints have no such hub layout")
-    if original is not None and original.get("quant_method") == default["quant_method"]:
+    same = ("quant_method", "store_dtype")
+    if original is not None and all(original.get(key) == default.get(key) for key in same):
         return dict(original)
     return default
 

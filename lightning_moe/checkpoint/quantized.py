@@ -1,12 +1,19 @@
-"""Quantized hub layouts: block-scaled FP8 (DeepSeek-V3, Kimi-K2) and MXFP4 experts (GPT-OSS).
+"""Quantized hub layouts: block-scaled FP8 (DeepSeek-V3, Kimi-K2, MiMo-V2.5), MXFP4 experts (GPT-OSS) and both
+at once (MiMo-V2.6: FP8 linears, MXFP4 routed experts).
 
 Hub checkpoints of these models do not hold the weights transformers computes with but a quantized encoding:
 
 * ``fp8-block``: ``X.weight`` in float8 e4m3 plus ``X.weight_scale_inv`` (fp32), one scale per 128x128 tile
-  (edge tiles may be partial); the weight is ``fp8 * scale_inv`` tile by tile.
-* ``mxfp4``: ``X_blocks`` (uint8, two e2m1 values per byte, low nibble first) and ``X_scales`` (uint8 e8m0
-  exponents biased by 127), one exponent per 32 values along the input dimension, stored ``[..., out, in]``
-  while transformers holds the tensor ``[..., in, out]``.
+  (edge tiles may be partial); the weight is ``fp8 * scale_inv`` tile by tile. A weight may be stored as row
+  shards each on its own tile grid (MiMo-V2's fused QKV, one shard per checkpoint TP rank, each padded to whole
+  tiles): the family says how many (``Family.quantization_row_shards``).
+* ``mxfp4``: two e2m1 values per byte (low nibble first) and one e8m0 exponent (biased by 127) per 32 values
+  along the input dimension, in one of two namings. A fused expert parameter (GPT-OSS, which transformers holds
+  ``[..., in, out]``): ``X_blocks`` ``[..., out, in / 32, 16]`` and ``X_scales``. A linear's ``X.weight``
+  (MiMo-V2.6's per-expert ``experts.{e}.*_proj.weight``, ``[out, in]``): ``X.weight`` ``[out, in / 2]`` (uint8) and
+  ``X.weight_scale`` ``[out, in / 32]``.
+* ``fp8-mxfp4``: the method of MiMo-V2.6's hub layout (``quant_method: fp8`` with ``store_dtype: mxfp4``), whose
+  family names the encoding of each tensor (``Family.hub_encoding``).
 
 :class:`DequantizedTensors` shows such a directory the way transformers holds it after dequantizing, so
 family weight maps only ever see the unquantized names and layouts; :func:`quantized_hub_tensors` goes the
@@ -16,6 +23,7 @@ other way on export. Both follow transformers' own code (``integrations/finegrai
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +33,8 @@ from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 
 FP8_BLOCK = "fp8-block"
 MXFP4 = "mxfp4"
-METHODS = (FP8_BLOCK, MXFP4)
+FP8_MXFP4 = "fp8-mxfp4"
+METHODS = (FP8_BLOCK, MXFP4, FP8_MXFP4)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -35,6 +44,7 @@ FP8_SCALE_SUFFIX = "_scale_inv"
 MXFP4_GROUP = 32
 MXFP4_BLOCKS_SUFFIX = "_blocks"
 MXFP4_SCALES_SUFFIX = "_scales"
+MXFP4_WEIGHT_SCALE_SUFFIX = ".weight_scale"  # beside a uint8 ``.weight``: the row-major naming
 E8M0_BIAS = 127
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX_EXPONENT = 2  # largest magnitude 6 = 1.5 * 2**2
@@ -58,6 +68,19 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: t
     return (weight.float() * _tile_scales(scale_inv.float(), weight.shape, block)).to(dtype)
 
 
+def fp8_scale_rows(rows: int, block: tuple[int, int], row_shards: int = 1) -> int:
+    """Tile rows of a weight of ``rows`` rows stored as ``row_shards`` shards, each on its own tile grid."""
+    return row_shards * math.ceil(rows // row_shards / block[0])
+
+
+def dequantize_fp8_row_shards(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                              block: tuple[int, int], row_shards: int) -> torch.Tensor:
+    """:func:`dequantize_fp8_block` of each of ``row_shards`` equal row shards with its own scales."""
+    scale_rows = fp8_scale_rows(weight.shape[-2], block, row_shards) // row_shards
+    parts = zip(weight.chunk(row_shards, dim=-2), scale_inv.split(scale_rows, dim=-2), strict=True)
+    return torch.cat([dequantize_fp8_block(w, s, dtype, block) for w, s in parts], dim=-2)
+
+
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight, fp32 ``scale_inv``) with each tile's absolute maximum mapped to the fp8 maximum."""
@@ -70,6 +93,15 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_FP
     scale_inv = (1.0 / scale).float()
     scaled = weight.float() * _tile_scales(scale, weight.shape, block)
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale_inv
+
+
+def quantize_fp8_row_shards(weight: torch.Tensor, block: tuple[int, int], row_shards: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8_block` of each of ``row_shards`` equal row shards, concatenated."""
+    if weight.shape[-2] % row_shards:
+        raise ValueError(f"cannot store {weight.shape[-2]} rows as {row_shards} equal FP8 row shards")
+    parts = [quantize_fp8_block(w, block) for w in weight.chunk(row_shards, dim=-2)]
+    return torch.cat([p[0] for p in parts], dim=-2), torch.cat([p[1] for p in parts], dim=-2)
 
 
 # ---------------------------------------------------------------------------------------------- mxfp4
@@ -120,18 +152,30 @@ def fp8_block_size(quantization: dict[str, Any]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+def _single_grid(name: str) -> int:
+    return 1
+
+
 class DequantizedTensors:
     """A hub directory's tensors as transformers holds them after dequantizing (the reading interface of
-    :class:`SafetensorsDir`): each FP8 weight/scale pair and each MXFP4 blocks/scales pair is one tensor."""
+    :class:`SafetensorsDir`): each FP8 weight/scale pair and each MXFP4 blocks/scales pair is one tensor.
+    ``row_shards(name)``: the FP8 row shards of a weight (see the module docstring)."""
 
-    def __init__(self, reader: SafetensorsDir, quantization: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, reader: SafetensorsDir, quantization: dict[str, Any], dtype: torch.dtype,
+                 row_shards: Callable[[str], int] = _single_grid) -> None:
         self.reader, self.directory, self.dtype_out = reader, reader.directory, dtype
-        self.block = fp8_block_size(quantization)
+        self.block, self.row_shards = fp8_block_size(quantization), row_shards
         names = set(reader.keys())
         self._fp8: dict[str, str] = {}  # weight -> its scale
         self._mxfp4: set[str] = set()  # logical names = prefixes of _blocks/_scales pairs
+        self._mxfp4_rows: set[str] = set()  # logical names = uint8 weights beside a .weight_scale
         for name in sorted(names):
-            if name.endswith(FP8_SCALE_SUFFIX):
+            if name.endswith(MXFP4_WEIGHT_SCALE_SUFFIX):
+                weight = name.removesuffix("_scale")
+                if weight not in names or reader.dtype(weight) != torch.uint8:
+                    raise ValueError(f"{self.directory}: MXFP4 scales {name} need a uint8 {weight} (packed e2m1)")
+                self._mxfp4_rows.add(weight)
+            elif name.endswith(FP8_SCALE_SUFFIX):
                 weight = name.removesuffix(FP8_SCALE_SUFFIX)
                 if weight not in names:
                     raise ValueError(f"{self.directory}: scale {name} has no weight {weight}")
@@ -146,6 +190,7 @@ class DequantizedTensors:
             elif "activation_scale" in name or name.endswith("input_scale"):
                 raise ValueError(f"{self.directory}: {name}: static activation scales are not supported (dynamic only)")
         consumed = set(self._fp8.values()) | {b + s for b in self._mxfp4 for s in (MXFP4_BLOCKS_SUFFIX, MXFP4_SCALES_SUFFIX)}
+        consumed |= {w + "_scale" for w in self._mxfp4_rows}
         self._names = sorted((names - consumed) | set(self._mxfp4))
 
     def keys(self) -> list[str]:
@@ -158,21 +203,32 @@ class DequantizedTensors:
         if name in self._mxfp4:
             *lead, rows, groups, _ = self.reader.shape(name + MXFP4_BLOCKS_SUFFIX)
             return (*lead, groups * MXFP4_GROUP, rows)
+        if name in self._mxfp4_rows:
+            *lead, packed = self.reader.shape(name)
+            return (*lead, 2 * packed)
         return self.reader.shape(name)
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.dtype_out if name in self._fp8 or name in self._mxfp4 else self.reader.dtype(name)
+        quantized = name in self._fp8 or name in self._mxfp4 or name in self._mxfp4_rows
+        return self.dtype_out if quantized else self.reader.dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._fp8:
             weight, scale = self.reader.get(name), self.reader.get(self._fp8[name])
-            expected = tuple(weight.shape[:-2]) + tuple(math.ceil(d / b) for d, b in zip(weight.shape[-2:], self.block))
-            if tuple(scale.shape) != expected:
+            shards = self.row_shards(name)
+            rows, cols = weight.shape[-2:]
+            expected = (*weight.shape[:-2], fp8_scale_rows(rows, self.block, shards), math.ceil(cols / self.block[1]))
+            if rows % shards or tuple(scale.shape) != expected:
+                grids = f" as {shards} row shards, each on its own block grid" if shards > 1 else ""
                 raise ValueError(
                     f"{self.directory}: {self._fp8[name]} has shape {tuple(scale.shape)}, expected {expected} for "
-                    f"{tuple(weight.shape)} weights in {self.block[0]}x{self.block[1]} blocks"
+                    f"{tuple(weight.shape)} weights in {self.block[0]}x{self.block[1]} blocks{grids}"
                 )
-            return dequantize_fp8_block(weight, scale, self.dtype_out, self.block)
+            return dequantize_fp8_row_shards(weight, scale, self.dtype_out, self.block, shards)
+        if name in self._mxfp4_rows:
+            packed, scales = self.reader.get(name), self.reader.get(name + "_scale")
+            blocks = packed.reshape(*packed.shape[:-1], -1, MXFP4_GROUP // 2)
+            return dequantize_mxfp4(blocks, scales, self.dtype_out)
         if name in self._mxfp4:
             blocks = self.reader.get(name + MXFP4_BLOCKS_SUFFIX)
             scales = self.reader.get(name + MXFP4_SCALES_SUFFIX)
@@ -180,10 +236,10 @@ class DequantizedTensors:
         return self.reader.get(name)
 
 
-def hub_tensors(directory: str | Path, hf_config: dict[str, Any],
-                dequantize_dtype: torch.dtype = torch.bfloat16) -> SafetensorsDir | DequantizedTensors:
+def hub_tensors(directory: str | Path, hf_config: dict[str, Any], dequantize_dtype: torch.dtype = torch.bfloat16,
+                row_shards: Callable[[str], int] = _single_grid) -> SafetensorsDir | DequantizedTensors:
     """The tensors of a hub directory, dequantized (to ``dequantize_dtype``) when config.json declares a
-    quantized layout."""
+    quantized layout (``row_shards``: see :class:`DequantizedTensors`)."""
     reader = SafetensorsDir(directory)
     quantization = hf_config.get("quantization_config")
     if not quantization:
@@ -191,21 +247,27 @@ def hub_tensors(directory: str | Path, hf_config: dict[str, Any],
     method = quantization.get("quant_method")
     if method not in ("fp8", "mxfp4"):
         raise ValueError(f"{directory}/config.json: quantization_config.quant_method={method!r} is not supported (fp8, mxfp4)")
-    return DequantizedTensors(reader, quantization, dequantize_dtype)
+    return DequantizedTensors(reader, quantization, dequantize_dtype, row_shards)
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def quantized_hub_tensors(name: str, tensor: torch.Tensor, method: str,
-                          block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> list[tuple[str, torch.Tensor]]:
-    """The hub tensors that store ``tensor`` (transformers' layout and name) in layout ``method``."""
-    check_method(method)
-    if method == FP8_BLOCK:
-        weight, scale_inv = quantize_fp8_block(tensor, block)
+def quantized_hub_tensors(name: str, tensor: torch.Tensor, encoding: str,
+                          block: tuple[int, int] = DEFAULT_FP8_BLOCK, row_shards: int = 1
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """The hub tensors that store ``tensor`` (transformers' layout and name) in ``encoding`` (``fp8-block``, in
+    ``row_shards`` grids, or ``mxfp4``: a linear's ``.weight`` in the row-major naming, else GPT-OSS's)."""
+    if encoding not in (FP8_BLOCK, MXFP4):
+        raise ValueError(f"{name}: encoding {encoding!r} is not one tensor's hub encoding ({FP8_BLOCK}, {MXFP4})")
+    if encoding == FP8_BLOCK:
+        weight, scale_inv = quantize_fp8_row_shards(tensor, block, row_shards)
         return [(name, weight), (name + FP8_SCALE_SUFFIX, scale_inv)]
-    rows_last = tensor.transpose(-1, -2)
+    row_major = name.endswith(".weight")
+    rows_last = tensor if row_major else tensor.transpose(-1, -2)
     if rows_last.shape[-1] % MXFP4_GROUP:
         raise ValueError(
             f"cannot store {name} as MXFP4: its input dimension {rows_last.shape[-1]} is not a multiple of {MXFP4_GROUP}"
         )
     blocks, scales = quantize_mxfp4(rows_last)
+    if row_major:
+        return [(name, blocks.reshape(*blocks.shape[:-2], -1)), (name + "_scale", scales)]
     return [(name + MXFP4_BLOCKS_SUFFIX, blocks), (name + MXFP4_SCALES_SUFFIX, scales)]

@@ -10,6 +10,7 @@ checkpoint fails at once with the offending tensor named.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from lightning_moe.checkpoint.training import DCP_METADATA
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config
+
+log = logging.getLogger(__name__)
 
 NATIVE_CONFIG = "model_config.json"
 ORIGINAL_HF_CONFIG = "hf_config.json"
@@ -48,7 +51,8 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{self.directory}: not a directory")
         self.hf_config = read_json(self.directory / HF_CONFIG)
         self.family: Family = family_for_hf_config(self.hf_config)
-        self.reader = hub_tensors(self.directory, self.hf_config, dequantize_dtype)
+        self.reader = hub_tensors(self.directory, self.hf_config, dequantize_dtype,
+                                  lambda name: self.family.quantization_row_shards(name, self.hf_config))
         self.config = self.family.from_hf_checkpoint(self.hf_config, self.reader.keys())
         self.maps = self.family.weight_map(self.config)
         self._by_native = {name: m for m in self.maps for name in m.natives}
@@ -61,9 +65,14 @@ class HFCheckpoint:
         if missing:
             raise ValueError(f"{self.directory}: missing tensor(s) {_summarize(missing)}")
         ignored = self.family.ignored_hf_tensors
-        unexpected = sorted(n for n in reader.keys() if n not in consumed and not any(p in n for p in ignored))
+        unused = [n for n in reader.keys() if n not in consumed]
+        unexpected = sorted(n for n in unused if not any(p in n for p in ignored))
         if unexpected:
             raise ValueError(f"{self.directory}: unexpected tensor(s) {_summarize(unexpected)} for {self.family.name}")
+        skipped = sorted(set(unused) - set(unexpected))
+        if skipped:
+            log.warning("%s: skipping %d hub tensor(s) %s, which %s has no module for (those matching %s)",
+                        self.directory, len(skipped), _summarize(skipped, 3), self.family.name, ", ".join(ignored))
         unmapped = sorted(set(expected) - set(self._by_native))
         if unmapped:
             raise ValueError(f"family {self.family.name}: no hub tensor maps to {_summarize(unmapped)}")

@@ -75,17 +75,28 @@ class AttentionConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
+    # MLA's value width; with GQA, value heads narrower than the query/key heads (MiMo-V2), 0 = head_dim
     v_head_dim: int = 0
+    # values multiplied by this before attention (MiMo-V2's attention_value_scale)
+    value_scale: float = 1.0
     # epsilon of MLA's latent norms (q_a_norm, kv_a_norm) when it differs from ModelConfig.norm_eps
     latent_norm_eps: float | None = None
 
+    @property
+    def value_dim(self) -> int:
+        """Width of one GQA value head."""
+        return self.v_head_dim or self.head_dim
+
     def window_for(self, attention_index: int) -> int | None:
-        """Sliding window of the ``attention_index``-th attention block, or None for full attention."""
+        """Sliding window of the ``attention_index``-th attention block, or None for full attention. The MTP
+        pattern's attention blocks are numbered after the backbone's (every depth shares their entries); a list
+        without entries for them leaves them full."""
         if self.sliding_window is None:
             return None
         if self.sliding_window_layers is None:
             return self.sliding_window
-        return self.sliding_window if self.sliding_window_layers[attention_index] else None
+        layers = self.sliding_window_layers
+        return self.sliding_window if attention_index < len(layers) and layers[attention_index] else None
 
 
 @dataclass
@@ -222,6 +233,10 @@ class ModelConfig:
     mamba: MambaConfig | None = None
     linear_attention: LinearAttentionConfig | None = None
     mtp: MTPConfig | None = None
+    # the settings of the attention blocks that slide (``attention.window_for``), where they differ from
+    # ``attention``'s: MiMo-V2's sliding layers have more kv heads, another rope theta and sinks. The window
+    # itself stays ``attention.sliding_window``; None: every attention block uses ``attention``
+    sliding_attention: AttentionConfig | None = None
     norm_eps: float = 1e-6
     # RMSNorms scale by ``1 + weight`` (zero-initialized weights, in fp32: Qwen3-Next, Qwen3.5)
     norm_offset: bool = False
@@ -261,11 +276,24 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention: num_heads={att.num_heads} is not a multiple of num_kv_heads={att.num_kv_heads}"
             )
-        if att.sliding_window_layers is not None and len(att.sliding_window_layers) != self.pattern.count("*"):
-            raise ValueError(
-                f"ModelConfig.attention.sliding_window_layers has {len(att.sliding_window_layers)} entries, "
-                f"the pattern has {self.pattern.count('*')} attention blocks"
-            )
+        if att.sliding_window_layers is not None:
+            backbone = self.pattern.count("*")
+            counts = {backbone, backbone + patterns.get("mtp.pattern", "").count("*")}
+            if len(att.sliding_window_layers) not in counts:
+                raise ValueError(
+                    f"ModelConfig.attention.sliding_window_layers has {len(att.sliding_window_layers)} entries, "
+                    f"the pattern has {backbone} attention blocks (and the MTP pattern {max(counts) - backbone})"
+                )
+        sliding = self.sliding_attention
+        if sliding is not None:
+            if att.type != "gqa" or sliding.type != "gqa" or sliding.num_heads % sliding.num_kv_heads:
+                raise ValueError("ModelConfig.sliding_attention: GQA settings (type gqa, num_heads a multiple of "
+                                 f"num_kv_heads) beside a GQA attention; got {sliding.type} with {sliding.num_heads} "
+                                 f"heads, {sliding.num_kv_heads} kv heads, attention.type {att.type}")
+            if att.sliding_window is None or sliding.sliding_window is not None or sliding.sliding_window_layers:
+                raise ValueError("ModelConfig.sliding_attention applies to the blocks attention.sliding_window and "
+                                 "attention.sliding_window_layers make slide: set the window there, not in "
+                                 "sliding_attention")
         if "E" in used:
             self.moe.validate()
         if "G" in used or "K" in used:
@@ -278,6 +306,12 @@ class ModelConfig:
     @property
     def num_blocks(self) -> int:
         return len(self.pattern)
+
+    def attention_for(self, attention_index: int) -> AttentionConfig:
+        """The settings of the ``attention_index``-th attention block (``sliding_attention`` where it slides)."""
+        if self.sliding_attention is not None and self.attention.window_for(attention_index) is not None:
+            return self.sliding_attention
+        return self.attention
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
@@ -298,6 +332,7 @@ class ModelConfig:
 _SUBCONFIGS = {
     "rope": RopeConfig,
     "attention": AttentionConfig,
+    "sliding_attention": AttentionConfig,
     "mlp": MLPConfig,
     "moe": MoEConfig,
     "mamba": MambaConfig,

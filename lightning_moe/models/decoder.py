@@ -41,15 +41,15 @@ class LossOutput:
 def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Module:
     """The module behind one pattern symbol."""
     if symbol == "*":
-        att = cfg.attention
+        att = cfg.attention_for(attention_index)
         if att.type == "mla":
             cls = MLA
         else:
             cls = Attention
         # the qk-norms follow the decoder's norms (1 + weight under norm_offset)
         extra = {"norm_offset": True} if cfg.norm_offset and cls is Attention else {}
-        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps, att.window_for(attention_index),
-                   **extra)
+        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps,
+                   cfg.attention.window_for(attention_index), **extra)
     if symbol == "M":
         return Mamba2Mixer(cfg.mamba, cfg.hidden_size)
     if symbol == "G":
@@ -88,8 +88,10 @@ class Block(nn.Module):
         return x + (self.op(h, layout) if self.mixes_sequence else self.op(h))
 
 
-def build_blocks(pattern: str, cfg: ModelConfig) -> nn.ModuleDict:
-    blocks, attention_index = {}, 0
+def build_blocks(pattern: str, cfg: ModelConfig, first_attention_index: int = 0) -> nn.ModuleDict:
+    """One block per symbol; attention blocks are numbered from ``first_attention_index`` (the MTP pattern's
+    after the backbone's), which picks their window and settings."""
+    blocks, attention_index = {}, first_attention_index
     for i, symbol in enumerate(pattern):
         blocks[str(i)] = Block(symbol, cfg, attention_index)
         attention_index += symbol == "*"

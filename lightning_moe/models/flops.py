@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_moe.models.config import BLOCK_SYMBOLS, ModelConfig
+from lightning_moe.models.config import BLOCK_SYMBOLS, AttentionConfig, ModelConfig
 from lightning_moe.models.layers.delta_rule import solve_flops
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.mtp import shift_left
@@ -80,21 +80,22 @@ class ForwardFlops:
         return (2.0 + trainable_fraction) * self.weights + 3.0 * self.activations
 
 
-def gqa_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
-    att = cfg.attention
-    q_width, kv_width = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+def gqa_attention_flops(cfg: ModelConfig, att: AttentionConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
+    q_width, k_width = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    v_width, out_width = att.num_kv_heads * att.value_dim, att.num_heads * att.value_dim
     # q (and its output gate), k, v projections in and the output projection back
-    projections = 2 * seqs.tokens * cfg.hidden_size * ((3 if att.output_gate else 2) * q_width + 2 * kv_width)
+    projections = 2 * seqs.tokens * cfg.hidden_size * ((2 if att.output_gate else 1) * q_width + k_width + v_width
+                                                       + out_width)
     # QK^T and (softmax)V, every query head, over the causal pairs
-    scores = 2 * 2 * q_width * seqs.causal_pairs(window)
+    scores = 2 * (q_width + out_width) * seqs.causal_pairs(window)
     return ForwardFlops(weights=projections, activations=scores)
 
 
-def mla_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
+def mla_attention_flops(cfg: ModelConfig, att: AttentionConfig, seqs: Sequences, window: int | None) -> ForwardFlops:
     """Latent attention: queries (through their LoRA bottleneck if any), the shared latent + rotary key, its
     expansion into per-head keys and values, the output projection; scores over nope + rope query/key channels
     and values of ``v_head_dim``."""
-    att, hidden = cfg.attention, cfg.hidden_size
+    hidden = cfg.hidden_size
     heads, qk_dim = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
     if att.q_lora_rank:
         queries = hidden * att.q_lora_rank + att.q_lora_rank * heads * qk_dim
@@ -108,18 +109,18 @@ def mla_attention_flops(cfg: ModelConfig, seqs: Sequences, window: int | None) -
     return ForwardFlops(weights=projections, activations=scores)
 
 
-ATTENTION_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int | None], ForwardFlops]] = {
+ATTENTION_FLOPS: dict[str, Callable[[ModelConfig, AttentionConfig, Sequences, int | None], ForwardFlops]] = {
     "gqa": gqa_attention_flops,
     "mla": mla_attention_flops,
 }
 
 
 def attention_flops(cfg: ModelConfig, seqs: Sequences, attention_index: int) -> ForwardFlops:
-    """The ``attention_index``-th attention block (its sliding window, if any, depends on the index)."""
-    kind = cfg.attention.type
-    if kind not in ATTENTION_FLOPS:
-        raise NotImplementedError(f"no FLOPs formula for attention.type {kind!r} in lightning_moe.models.flops")
-    return ATTENTION_FLOPS[kind](cfg, seqs, cfg.attention.window_for(attention_index))
+    """The ``attention_index``-th attention block (its sliding window and settings may depend on the index)."""
+    att = cfg.attention_for(attention_index)
+    if att.type not in ATTENTION_FLOPS:
+        raise NotImplementedError(f"no FLOPs formula for attention.type {att.type!r} in lightning_moe.models.flops")
+    return ATTENTION_FLOPS[att.type](cfg, att, seqs, cfg.attention.window_for(attention_index))
 
 
 def feed_forward_flops(tokens: int, hidden: int, intermediate: int, activation: str) -> float:
@@ -214,9 +215,10 @@ BLOCK_FLOPS: dict[str, Callable[[ModelConfig, Sequences, int], ForwardFlops]] = 
 }
 
 
-def pattern_flops(cfg: ModelConfig, pattern: str, seqs: Sequences) -> ForwardFlops:
-    """One block per symbol, attention blocks numbered in pattern order (as ``build_blocks`` does)."""
-    total, attention_index = ForwardFlops(), 0
+def pattern_flops(cfg: ModelConfig, pattern: str, seqs: Sequences, first_attention_index: int = 0) -> ForwardFlops:
+    """One block per symbol, attention blocks numbered in pattern order from ``first_attention_index`` (as
+    ``build_blocks`` does)."""
+    total, attention_index = ForwardFlops(), first_attention_index
     for symbol in pattern:
         if symbol not in BLOCK_FLOPS:
             raise NotImplementedError(
@@ -249,7 +251,7 @@ def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int
     total = pattern_flops(cfg, cfg.pattern, seqs)
     for _ in range(depths):
         total += ForwardFlops(weights=2.0 * seqs.tokens * (2 * hidden) * hidden)  # eh_proj
-        total += pattern_flops(cfg, cfg.mtp.pattern, seqs)
+        total += pattern_flops(cfg, cfg.mtp.pattern, seqs, cfg.pattern.count("*"))
     return total + ForwardFlops(weights=2.0 * hidden * cfg.vocab_size * sum(output_tokens))
 
 

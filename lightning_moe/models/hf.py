@@ -74,6 +74,9 @@ class HFModelConfig:
             style: GLM-5, MiMo-V2, Laguna, Kimi-Linear, DeepSeek-V4): after each optimizer step the bias moves by
             ``rate * sign(mean load - load)`` from the expert load counted on all ranks (the native
             ``moe.bias_update_rate``); 0 leaves the bias as loaded.
+        attention_backend: the native path only: the native decoder's attention kernel (``sdpa``, ``flex``,
+            ``te``: its ``attention.backend``, sliding blocks' included), which a hub config does not choose;
+            default: the family's (sdpa).
     """
 
     hf: str
@@ -85,6 +88,7 @@ class HFModelConfig:
     loss_chunk_size: int = 1024
     force_balanced: bool = False
     bias_update_rate: float = 0.0
+    attention_backend: Literal["sdpa", "flex", "te"] | None = None
 
     def __post_init__(self) -> None:
         if self.native not in ("auto", "always", "never"):

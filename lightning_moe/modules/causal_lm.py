@@ -160,6 +160,7 @@ class CausalLM(L.LightningModule):
         self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
         self.step_stats: StepStats | None = None
         self._source = None
+        self._attention_backend = None  # model.attention_backend of an HFModelConfig routed to the native path
         self._step_sums: dict[str, torch.Tensor] = {}
         self._eval_sums: dict[str, torch.Tensor] = {}
         self._tokenizer_cache: dict[str, bytes] | None = None
@@ -179,12 +180,19 @@ class CausalLM(L.LightningModule):
 
         directory = native_checkpoint_dir(self.model_config)
         if directory is not None:
+            self._attention_backend = self.model_config.attention_backend
             self.model_config, self.pretrained = None, str(directory)
+        elif self.model_config.attention_backend is not None:
+            raise ValueError(f"model.attention_backend={self.model_config.attention_backend!r} chooses the native "
+                             "decoder's kernel; this model trains through transformers: use model.attn_implementation")
 
     def resolved_config(self) -> ModelConfig:
         self._route_hf()
         source = self._checkpoint()
         if self.model_config is None:
+            for attention in (source.config.attention, source.config.sliding_attention):
+                if self._attention_backend is not None and attention is not None:
+                    attention.backend = self._attention_backend
             return source.config
         return self.model_config
 

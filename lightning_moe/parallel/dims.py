@@ -147,6 +147,9 @@ class ParallelDims:
                 counts = [("num_heads", att.num_heads)]
                 if att.type == "gqa":
                     counts.append(("num_kv_heads", att.num_kv_heads))
+                if config.sliding_attention is not None:
+                    counts += [(f"sliding_attention.{key}", getattr(config.sliding_attention, key))
+                               for key in ("num_heads", "num_kv_heads")]
                 heads = math.gcd(*(value for _, value in counts))
                 for key, value in counts:
                     if value % self.tp:

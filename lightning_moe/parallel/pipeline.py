@@ -150,7 +150,7 @@ def part_costs(decoder: nn.Module, seq_len: int = 4096) -> tuple[list[float], fl
     output_flops = 6.0 * cfg.hidden_size * cfg.vocab_size
     for _ in range(mtp_depths(cfg)):
         output_flops += 6.0 * (2 * cfg.hidden_size) * cfg.hidden_size + 6.0 * cfg.hidden_size * cfg.vocab_size
-        output_flops += pattern_flops(cfg, cfg.mtp.pattern, seqs).training() / seqs.tokens
+        output_flops += pattern_flops(cfg, cfg.mtp.pattern, seqs, cfg.pattern.count("*")).training() / seqs.tokens
 
     def count(module) -> int:
         return sum(p.numel() for p in module.parameters()) if module is not None else 0

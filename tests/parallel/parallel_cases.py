@@ -24,6 +24,7 @@ from lightning_moe.models.config import (
     ModelConfig,
     MoEConfig,
     MTPConfig,
+    RopeConfig,
 )
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims, parallelize
@@ -89,6 +90,22 @@ def tiny_config(name: str) -> ModelConfig:
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, num_shared_experts=1,
                           shared_intermediate_size=16, shared_expert_gate=gdn),
             mlp=MLPConfig(32), norm_offset=gdn, init_std=0.05 if gdn else 0.02,
+        )
+    if name == "mimo_like":
+        # MiMo-V2: full attention then sliding blocks with more kv heads, sinks and another rope theta, value heads
+        # narrower than query/key heads, scaled values, a sigmoid router with selection bias, an MTP depth that slides
+        window = dict(head_dim=8, v_head_dim=4, value_scale=0.7,
+                      rope=RopeConfig(theta=1e4, partial_rotary_factor=0.5))
+        return ModelConfig(
+            family="mimo_v2", vocab_size=64, hidden_size=32, pattern="*-*E*E",
+            attention=AttentionConfig(num_heads=4, num_kv_heads=2, sliding_window=6,
+                                      sliding_window_layers=[False, True, True, True],
+                                      **{**window, "rope": RopeConfig(theta=1e6, partial_rotary_factor=0.5)}),
+            sliding_attention=AttentionConfig(num_heads=4, num_kv_heads=4, sinks=True, **window),
+            mlp=MLPConfig(64),
+            moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, score_func="sigmoid", norm_topk_prob=True,
+                          score_correction_bias=True),
+            mtp=MTPConfig(num_layers=1, pattern="*-"), init_std=0.05,
         )
     if name == "llama_wide":  # every tensor-parallel shard of every GEMM a whole number of 32-element MX blocks
         return ModelConfig(

@@ -91,6 +91,14 @@ def generic_moe_checkpoint(model_type: str, **settings):
     return write
 
 
+def mimo_v2_checkpoint(path: Path) -> Path:
+    """A MiMo-V2 hub checkpoint (fused QKV, sliding layers with sinks, MTP layers) for the shipped tokenizer."""
+    from models.tiny_mimo_v2 import save_mimo_v2
+
+    save_mimo_v2(path, torch.bfloat16, vocab=4160)
+    return path
+
+
 laguna_checkpoint = generic_moe_checkpoint(
     "laguna", num_key_value_heads=2, head_dim=16, num_experts=4, shared_expert_intermediate_size=32, sliding_window=64,
     layer_types=["sliding_attention", "full_attention"])
@@ -105,7 +113,8 @@ CHECKPOINTS = {"tiny/nemotron_h_sft.yaml": nemotron_h_checkpoint, "tiny/nemotron
                "tiny/kimi_linear_hellaswag_sft.yaml": kimi_linear_checkpoint,
                "tiny/qwen3_5_medpix_vlm.yaml": qwen3_5_vlm_checkpoint,
                "tiny/laguna_hellaswag_sft.yaml": laguna_checkpoint,
-               "tiny/glm_moe_dsa_tulu3_sft.yaml": glm_moe_dsa_checkpoint}
+               "tiny/glm_moe_dsa_tulu3_sft.yaml": glm_moe_dsa_checkpoint,
+               "tiny/mimo_v2_hellaswag_sft.yaml": mimo_v2_checkpoint, "tiny/mimo_v2_tulu3_sft.yaml": mimo_v2_checkpoint}
 
 
 def cli(*args: str):

@@ -8,7 +8,7 @@ from lightning_moe.models.families.base import Family, TensorMap
 
 # family module names; each defines FAMILY (and may define VARIANTS)
 _MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "nemotron_h",
-            "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
+            "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "mimo_v2")
 
 _by_architecture: dict[str, Family] = {}
 _by_name: dict[str, Family] = {}

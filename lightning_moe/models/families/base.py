@@ -105,6 +105,15 @@ class Family:
         """Whether the hub's ``method`` layout stores this tensor quantized."""
         return False
 
+    def hub_encoding(self, hf_name: str, method: str) -> str | None:
+        """How the hub's ``method`` layout stores this tensor: ``fp8-block``, ``mxfp4``, or None (unquantized).
+        A layout that mixes encodings (MiMo-V2.6's ``fp8-mxfp4``) overrides this."""
+        return method if self.quantizes(hf_name, method) else None
+
+    def quantization_row_shards(self, hf_name: str, hf: dict[str, Any]) -> int:
+        """Row shards of this hub tensor that block-FP8 layouts quantize each on its own tile grid (1: one grid)."""
+        return 1
+
 
 def require(hf: dict[str, Any], key: str, architecture: str, *aliases: str) -> Any:
     """A key the family cannot guess (or one of its older ``aliases``): a clear error when config.json lacks it."""

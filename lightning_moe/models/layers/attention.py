@@ -85,7 +85,8 @@ def _eager_with_sinks(q, k, v, mask, scale, sinks):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped key/value heads, optional qk-norm, biases, sinks and sliding window."""
+    """Multi-head attention with grouped key/value heads, optional qk-norm, biases, sinks, sliding window, value
+    heads narrower than the query/key heads and scaled values (MiMo-V2)."""
 
     def __init__(self, cfg: AttentionConfig, hidden_size: int, max_position_embeddings: int,
                  norm_eps: float, window: int | None = None, norm_offset: bool = False) -> None:
@@ -94,14 +95,15 @@ class Attention(nn.Module):
             require_transformer_engine("attention backend 'te'")
         self.cfg = cfg
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.value_dim = cfg.value_dim
         self.window = window
         self.scale = cfg.softmax_scale or self.head_dim**-0.5
         # output_gate: each head's rows of q_proj are [query | gate]
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
         self.q_proj = nn.Linear(hidden_size, q_width, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=cfg.out_bias)
+        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * self.value_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * self.value_dim, hidden_size, bias=cfg.out_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, norm_eps, offset=norm_offset)
@@ -126,7 +128,9 @@ class Attention(nn.Module):
         if self.cfg.output_gate:
             q, gate = q.unflatten(2, (-1, 2)).unbind(3)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.value_dim)
+        if self.cfg.value_scale != 1.0:
+            v = v * self.cfg.value_scale
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

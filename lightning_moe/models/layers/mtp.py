@@ -19,9 +19,9 @@ from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.norm import RMSNorm
 from lightning_moe.models.layers.sequence import SequenceLayout
 
-# the decoder's block factory (pattern, config) -> ModuleDict, handed in so that the MTP depths run the decoder's
-# own blocks without this file importing the decoder that imports it
-BuildBlocks = Callable[[str, ModelConfig], nn.ModuleDict]
+# the decoder's block factory (pattern, config, first attention index) -> ModuleDict, handed in so that the MTP
+# depths run the decoder's own blocks without this file importing the decoder that imports it
+BuildBlocks = Callable[[str, ModelConfig, int], nn.ModuleDict]
 
 
 class MTPDepth(nn.Module):
@@ -33,7 +33,8 @@ class MTPDepth(nn.Module):
         self.enorm = RMSNorm(hidden, *norm)
         self.hnorm = RMSNorm(hidden, *norm)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = build_blocks(config.mtp.pattern, config)
+        # their attention blocks are numbered after the backbone's (ModelConfig.attention_for)
+        self.layers = build_blocks(config.mtp.pattern, config, config.pattern.count("*"))
         self.final_norm = RMSNorm(hidden, *norm)
         self._init_std = config.init_std
 
