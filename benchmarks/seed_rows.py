@@ -5,8 +5,8 @@ tables with notes under each) and Megatron-Bridge's Nemotron 3.5 Lightning verif
 
 Every row becomes the fields its page gives, in published_rows.yaml's names and units: table cells as published
 ("-" is a parallel size of 1, "NR" not recorded and left out, "~x" a number with the field named under
-`approximate`), plus what the page states in words (warmup and measured steps, MTP, LoRA rank, GBS/MBS in a
-card's expected result). `benchmarks/published_rows.yaml` keeps these fields verbatim for every row whose `seed`
+`approximate`), plus what the page states in words (warmup and measured steps, MTP, frozen parts, LoRA rank,
+GBS/MBS in a card's expected result). `benchmarks/published_rows.yaml` keeps these fields verbatim for every row whose `seed`
 names its page entry; tests/recipes/test_published_rows.py checks the two against each other.
 """
 
@@ -122,6 +122,11 @@ def table_row(heading: re.Match, header: list[str], cells: list[str], notes: lis
                 row["mtp"] = 0
             if model.startswith(who) and (checkpoint := re.search(r"checkpoint (\S+/\S+)", what)):
                 row["checkpoint"] = checkpoint[1]
+        # "<model> freezes vision; <model> and <model> freeze vision and embeddings."
+        for clause in re.split(r";\s*", note.rstrip(".")):
+            if frozen := re.match(r"^(?P<who>.+?) freezes? (?P<what>.+)$", clause):
+                if any(model.startswith(who) for who in frozen["who"].split(" and ")):
+                    row["frozen"] = sorted(frozen["what"].split(" and "))
     if lora := re.search(r"LoRA, rank (\d+)", row.get("mode", "")):
         row["lora_rank"] = int(lora[1])
     return row
@@ -202,6 +207,8 @@ def command_fields(command: str, card: dict[str, Any]) -> None:
         card["packed"] = True
     if revision := re.search(r"load_kwargs=\{revision:\"?(\w+)", command):
         card["dataset_revision"] = revision[1]
+    if cp_comm := re.search(r"model\.cp_comm_type=(\w+)", command):
+        card["cp_comm"] = cp_comm[1]
 
 
 def expected_fields(text: str, card: dict[str, Any]) -> None:
@@ -210,6 +217,8 @@ def expected_fields(text: str, card: dict[str, Any]) -> None:
         card["global_batch_size"], card["micro_batch_size"] = int(batch[1]), int(batch[2])
     if "cp" not in card["parallel"] and (cp := re.search(r"\bCP(\d+)\b", text)):
         card["parallel"]["cp"] = int(cp[1])
+    if "cp_comm" not in card and (cp_comm := re.search(r"\bCP\d+/(\w+)", text)):
+        card["cp_comm"] = cp_comm[1]  # "CP2/p2p"
     if "seq_length" not in card and (seq := re.search(r"sequence-length-([\d,]+)", text)):
         card["seq_length"] = number(seq[1])
     if "dataset" not in card and (name := dataset_name(text) or dataset_name(card.get("mbridge_recipe", ""))):

@@ -66,8 +66,8 @@ def saved_activations(mode: FakeTensorMode, model: nn.Module, blocks: list[tuple
         def enter(module, args, name=name):
             current.append(name)
             first = args[0] if args else None
-            if isinstance(first, torch.Tensor):
-                inputs[name] = first.numel() * first.element_size()
+            if isinstance(first, torch.Tensor):  # every call's (a shared MTP layer runs once per depth)
+                inputs[name] = inputs.get(name, 0) + first.numel() * first.element_size()
 
         handles.append(block.register_forward_pre_hook(enter))
         def leave(module, args, output):

@@ -217,6 +217,14 @@ class MTPConfig:
     enabled: bool = True
     # the hub's MTP layers hold copies of the embedding and output layer (DeepSeek-V3, GLM-4.5; not GLM-4.6)
     hub_weight_copies: bool = True
+    # one MTP layer whose weights every depth applies (Megatron-Core's ``mtp_use_repeated_layer``): checkpoints
+    # hold that one layer, and each of the ``num_layers`` depths still runs it and adds its own loss
+    shared: bool = False
+
+    @property
+    def stored_layers(self) -> int:
+        """MTP layers with weights of their own (in the model and its checkpoints): one when ``shared``."""
+        return min(self.num_layers, 1) if self.shared else self.num_layers
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_moe.checkpoint.files import HF_CONFIG, read_json
+from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
@@ -77,6 +78,11 @@ class HFModelConfig:
         attention_backend: the native path only: the native decoder's attention kernel (``sdpa``, ``flex``,
             ``te``: its ``attention.backend``, sliding blocks' included), which a hub config does not choose;
             default: the family's (sdpa).
+        mtp_enabled: the native path only: false keeps the checkpoint's multi-token-prediction layers (loaded,
+            saved and exported back) without computing them: no MTP loss, no gradient on their weights.
+        mtp_shared_depths: the native path only: MTP depths that all apply the checkpoint's one MTP layer, with
+            its weights shared (Megatron-Core's ``mtp_use_repeated_layer`` with ``mtp_num_layers``); exports hold
+            that one layer. Default: one depth per MTP layer of the checkpoint, each with its own weights.
     """
 
     hf: str
@@ -89,8 +95,12 @@ class HFModelConfig:
     force_balanced: bool = False
     bias_update_rate: float = 0.0
     attention_backend: Literal["sdpa", "flex", "te"] | None = None
+    mtp_enabled: bool = True
+    mtp_shared_depths: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mtp_shared_depths is not None and self.mtp_shared_depths < 1:
+            raise ValueError(f"model.mtp_shared_depths={self.mtp_shared_depths} must be >= 1 (or null)")
         if self.native not in ("auto", "always", "never"):
             raise ValueError(f"model.native={self.native!r} must be auto, always or never")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -169,6 +179,38 @@ def native_checkpoint_dir(cfg: HFModelConfig) -> Path | None:
         raise ValueError(f"model.native=always but {(config_json.get('architectures') or ['?'])[0]} has no native "
                          f"family; use native: auto to train it through transformers")
     return None
+
+
+def refuse_native_settings(cfg: HFModelConfig) -> None:
+    """A model trained through transformers cannot take the native decoder's settings: name them."""
+    if cfg.attention_backend is not None:
+        raise ValueError(f"model.attention_backend={cfg.attention_backend!r} chooses the native decoder's kernel; "
+                         "this model trains through transformers: use model.attn_implementation")
+    for key, default in (("mtp_enabled", True), ("mtp_shared_depths", None)):
+        if getattr(cfg, key) != default:
+            raise ValueError(f"model.{key}={getattr(cfg, key)!r} applies to the native decoder's MTP layers; this "
+                             "model trains through transformers, whose model has none: drop it")
+
+
+def apply_native_settings(cfg: HFModelConfig, config: ModelConfig, where: str) -> None:
+    """What ``cfg`` chooses for the native decoder, set on its checkpoint's ``config`` (``where``, the checkpoint,
+    names it in errors): the attention kernel, MTP switched off, the one MTP layer shared over more depths.
+    Applying it twice changes nothing."""
+    if cfg.attention_backend is not None:
+        for attention in (config.attention, config.sliding_attention):
+            if attention is not None:
+                attention.backend = cfg.attention_backend
+    mtp = config.mtp
+    if (not cfg.mtp_enabled or cfg.mtp_shared_depths is not None) and mtp is None:
+        key = "mtp_enabled" if not cfg.mtp_enabled else "mtp_shared_depths"
+        raise ValueError(f"model.{key}: {where} has no MTP layers (transformers saves checkpoints without them)")
+    if cfg.mtp_shared_depths is not None:
+        if mtp.stored_layers != 1:
+            raise ValueError(f"model.mtp_shared_depths={cfg.mtp_shared_depths}: {where} holds {mtp.stored_layers} "
+                             "MTP layers; sharing applies one layer at every depth")
+        mtp.num_layers, mtp.shared = cfg.mtp_shared_depths, True
+    if not cfg.mtp_enabled:
+        mtp.enabled = False
 
 
 # ---------------------------------------------------------------------------------------------- construction

@@ -37,10 +37,12 @@ from lightning_moe.models.generation import new_tokens
 from lightning_moe.models.hf import (
     HFModel,
     HFModelConfig,
+    apply_native_settings,
     build_hf_model,
     hf_converters,
     model_dir,
     native_checkpoint_dir,
+    refuse_native_settings,
 )
 from lightning_moe.models.hf_experts import update_correction_biases
 from lightning_moe.models.hf_form import native_as_transformers
@@ -160,7 +162,7 @@ class CausalLM(L.LightningModule):
         self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
         self.step_stats: StepStats | None = None
         self._source = None
-        self._attention_backend = None  # model.attention_backend of an HFModelConfig routed to the native path
+        self._native_settings: HFModelConfig | None = None  # an HFModelConfig routed to the native path
         self._step_sums: dict[str, torch.Tensor] = {}
         self._eval_sums: dict[str, torch.Tensor] = {}
         self._tokenizer_cache: dict[str, bytes] | None = None
@@ -180,19 +182,17 @@ class CausalLM(L.LightningModule):
 
         directory = native_checkpoint_dir(self.model_config)
         if directory is not None:
-            self._attention_backend = self.model_config.attention_backend
+            self._native_settings = self.model_config
             self.model_config, self.pretrained = None, str(directory)
-        elif self.model_config.attention_backend is not None:
-            raise ValueError(f"model.attention_backend={self.model_config.attention_backend!r} chooses the native "
-                             "decoder's kernel; this model trains through transformers: use model.attn_implementation")
+        else:
+            refuse_native_settings(self.model_config)
 
     def resolved_config(self) -> ModelConfig:
         self._route_hf()
         source = self._checkpoint()
         if self.model_config is None:
-            for attention in (source.config.attention, source.config.sliding_attention):
-                if self._attention_backend is not None and attention is not None:
-                    attention.backend = self._attention_backend
+            if self._native_settings is not None:
+                apply_native_settings(self._native_settings, source.config, f"the checkpoint {self.pretrained}")
             return source.config
         return self.model_config
 

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 
-from recipe_files import CONFIGS, header, load_yaml, resolved  # noqa: E402
+from recipe_files import CONFIGS, differences_block, header, load_yaml, resolved  # noqa: E402
 from test_recipe_rows import PUBLISHED_ROWS, problems  # noqa: E402
 
 from lightning_moe.cli import main  # noqa: E402
@@ -44,6 +44,26 @@ def test_hunyuan_image_3_recipe_is_refused_saying_what_is_missing(capsys):
     assert "HunyuanImage-3.0" in message and "no implementation in the installed diffusers" in message
     assert "UNet patch embedding" in message and "model.family=hunyuan_image_3 is therefore refused" in message
 
+
+
+def test_hunyuan_image_3_recipe_keeps_the_rows_ep_which_the_diffusion_path_refuses(tiny_pipeline):
+    """The recipe's ep: 8 (the row's, its header says the diffusion path refuses it) stops the diffusion
+    parallelization with an error naming it, whatever transformer it is given: here the tiny Qwen-Image one."""
+    from lightning_moe.models.diffusion.config import DiffusionModelConfig
+    from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
+    from lightning_moe.modules.diffusion import DiffusionModule
+    from lightning_moe.parallel.diffusion import check_diffusion_model
+    from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
+
+    recipe = "hunyuan_image/hunyuan_image_3_lora_h100.yaml"
+    cfg = load_yaml(CONFIGS / recipe)
+    args = {"dp_shard": -1, **cfg["trainer"]["strategy"]["init_args"]}
+    world = cfg["trainer"]["num_nodes"] * cfg["trainer"]["devices"]
+    dims = ParallelDims(**{k: v for k, v in args.items() if k in MESH_SIZE_NAMES}, world_size=world)
+    assert dims.ep == 8 and any(e["field"] == "expert_parallel" for e in differences_block(recipe))
+    model = build_diffusion_transformer(DiffusionModule(DiffusionModelConfig(path=str(tiny_pipeline)))._load_family())
+    with pytest.raises(ValueError, match="ep=8: QwenImageTransformer2DModel trains with data parallelism"):
+        check_diffusion_model(dims, model)
 
 def _fit(twin: str, *overrides: str) -> None:
     with mock.patch.object(sys, "argv", ["lightning-moe"]):

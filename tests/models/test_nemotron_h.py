@@ -1,5 +1,6 @@
 """Nemotron-H: config translation, hub-layout round trip with MTP tensors, logits against transformers (plain and
-packed rows), the MTP forward against its hub definition and an MTP training step, training FLOPs against
+packed rows), the MTP forward against its hub definition and an MTP training step, one hub MTP layer shared over
+two depths (Megatron's repeated MTP layer) and MTP switched off through ``model.hf``, training FLOPs against
 FlopCounterMode, and LoRA on Mamba, expert and MTP layers."""
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def hf_config(latent: int | None = 24, **overrides):
     return NemotronHConfig(**kwargs)
 
 
-def build_tiny(latent: int | None = 24, seed: int = 0):
+def build_tiny(latent: int | None = 24, seed: int = 0, depths: int = DEPTHS):
     """Random transformers model; norms near 1 and a non-zero expert bias, so nothing is degenerate."""
     from transformers import NemotronHForCausalLM
 
     torch.manual_seed(seed)
-    model = NemotronHForCausalLM(hf_config(latent)).eval()
+    model = NemotronHForCausalLM(hf_config(latent, num_nextn_predict_layers=depths)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if name.endswith("norm.weight") or name.endswith("norm_f.weight") else 0.0, 0.1)
@@ -54,7 +55,7 @@ def build_tiny(latent: int | None = 24, seed: int = 0):
     return model
 
 
-def add_hub_mtp_tensors(directory: Path, seed: int = 0) -> list[str]:
+def add_hub_mtp_tensors(directory: Path, seed: int = 0, depths: int = DEPTHS) -> list[str]:
     """Write MTP tensors in the hub's naming next to a transformers-saved checkpoint (which has none):
     ``mtp.layers.{d*L + j}`` named like the backbone layer of the same type, plus ``eh_proj``/``enorm``/``hnorm``
     on the first inner layer of each depth and ``final_layernorm`` on the last. Returns the names added."""
@@ -65,7 +66,7 @@ def add_hub_mtp_tensors(directory: Path, seed: int = 0) -> list[str]:
     hidden = tensors["backbone.embeddings.weight"].shape[1]
     gen = torch.Generator().manual_seed(seed)
     added = {}
-    for d in range(DEPTHS):
+    for d in range(depths):
         for j, kind in enumerate(MTP_LAYERS):
             template = f"backbone.layers.{LAYERS.index(kind)}."
             flat = f"mtp.layers.{d * len(MTP_LAYERS) + j}."
@@ -90,6 +91,27 @@ def hub_checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     add_hub_mtp_tensors(path)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def one_mtp_layer_hub(tmp_path_factory):
+    """(transformers model, directory) of a checkpoint holding one MTP layer, as Nemotron 3.5 Lightning's."""
+    path = tmp_path_factory.mktemp("nemotron_h_one_mtp_layer")
+    model = build_tiny(depths=1)
+    model.save_pretrained(path)
+    add_hub_mtp_tensors(path, depths=1)
+    return model, path
+
+
+def native_from_hub(path: Path, **settings):
+    """The native decoder ``CausalLM(model={hf: path, **settings})`` trains, with the checkpoint's weights, and
+    that checkpoint."""
+    from lightning_moe.models.hf import HFModelConfig
+    from lightning_moe.modules.causal_lm import CausalLM, build_decoder
+
+    module = CausalLM(model=HFModelConfig(hf=str(path), native="always", **settings))
+    config = module.resolved_config()
+    return build_decoder(config, source=module._checkpoint()), module._checkpoint()
 
 
 # ---------------------------------------------------------------------------------- config
@@ -239,11 +261,13 @@ def hub_block(hf_model, kind: str, tensors: dict[str, torch.Tensor], prefix: str
     return block
 
 
-def hub_mtp_losses(hf_model, tensors: dict[str, torch.Tensor], ids, labels):
+def hub_mtp_losses(hf_model, tensors: dict[str, torch.Tensor], ids, labels, depths: int = DEPTHS,
+                   shared: bool = False):
     """Per-depth loss sums from the hub's MTP definition (Megatron-Bridge / vLLM), built from transformers' layers
     and the hub tensors by their hub names: depth d embeds the tokens d ahead, computes
     ``eh_proj([enorm(embedding), hnorm(previous)])`` where ``previous`` is the main model's final-normed output
-    (then the previous depth's output), runs its layers and ``final_layernorm``, and predicts ``labels[t + d]``."""
+    (then the previous depth's output), runs its layers and ``final_layernorm``, and predicts ``labels[t + d]``.
+    ``shared``: every depth runs the hub's first MTP layer (``mtp.layers.{j}``), unrolled here depth by depth."""
     import torch.nn.functional as F
 
     def rms(x, weight):
@@ -251,14 +275,15 @@ def hub_mtp_losses(hf_model, tensors: dict[str, torch.Tensor], ids, labels):
 
     previous = hf_model.model(ids).last_hidden_state
     sums = []
-    for d in range(1, DEPTHS + 1):
-        first = f"mtp.layers.{(d - 1) * len(MTP_LAYERS)}."
+    for d in range(1, depths + 1):
+        layer = 0 if shared else d - 1
+        first = f"mtp.layers.{layer * len(MTP_LAYERS)}."
         embedded = hf_model.model.embeddings(ids[:, d:])
         h = torch.cat([rms(embedded, tensors[first + "enorm.weight"]),
                        rms(previous[:, :-1], tensors[first + "hnorm.weight"])], dim=-1)
         h = F.linear(h, tensors[first + "eh_proj.weight"])
         for j, kind in enumerate(MTP_LAYERS):
-            prefix = f"mtp.layers.{(d - 1) * len(MTP_LAYERS) + j}."
+            prefix = f"mtp.layers.{layer * len(MTP_LAYERS) + j}."
             h = hub_block(hf_model, kind, tensors, prefix)(h)
         previous = rms(h, tensors[prefix + "final_layernorm.weight"])
         logits = hf_model.lm_head(previous).float()
@@ -312,9 +337,100 @@ def test_disabled_mtp_keeps_weights_and_skips_its_loss(hub_checkpoint):
     assert out.mtp_loss_sums == [] and any(n.startswith("mtp.depths.1.") for n in model.state_dict())
 
 
+def test_one_shared_mtp_layer_imports_and_exports_bitwise(tmp_path, one_mtp_layer_hub):
+    """The hub's one MTP layer, applied at 2 depths (``model.mtp_shared_depths``), is one set of weights that the
+    export writes back as the hub's files, tensor for tensor and bit for bit."""
+    from lightning_moe.checkpoint.convert import export_model
+
+    _, hub = one_mtp_layer_hub
+    model, source = native_from_hub(hub, mtp_shared_depths=2)
+    assert (model.config.mtp.num_layers, model.config.mtp.shared, len(model.mtp.depths)) == (2, True, 1)
+    export_model(model, tmp_path / "export", hf_config=source.hf_config)
+    report = verify_hf_checkpoints(hub, tmp_path / "export")
+    assert report.ok, report.summary()
+    assert report.tensors == len(SafetensorsDir(hub).keys())
+    # without the hub's config.json, the family's translation also declares the one stored layer
+    assert family_by_name("nemotron_h").to_hf_config(model.config)["num_nextn_predict_layers"] == 1
+
+
+def test_mtp_1_and_2_from_one_shared_layer_equal_the_unrolled_hub_layer(one_mtp_layer_hub):
+    """MTP-1 and MTP-2 losses of the shared layer equal the hub's MTP layer applied twice by hand; both depths'
+    MoE auxiliary losses reach the step's, and both depths' losses reach the shared weights."""
+    from safetensors.torch import load_file
+
+    from lightning_moe.models.layers.moe import MoE
+
+    hf, hub = one_mtp_layer_hub
+    model, _ = native_from_hub(hub, mtp_shared_depths=2)
+    model.train()
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(4))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    seen: list[torch.Tensor] = []  # every MoE layer's auxiliary loss, each call
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            moe.register_forward_hook(lambda m, args, out: seen.append(m.aux_loss))
+    out = model(ids, labels=labels)
+    assert [int(c) for c in out.mtp_label_tokens] == [2 * 19, 2 * 18]
+    with torch.no_grad():
+        expected = hub_mtp_losses(hf, load_file(hub / "model.safetensors"), ids, labels, depths=2, shared=True)
+    for got, want in zip(out.mtp_loss_sums, expected, strict=True):
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    moe_layers = hf_config().layers_block_type.count("moe")
+    assert len(seen) == moe_layers + 2  # the shared layer's MoE ran once per depth
+    torch.testing.assert_close(out.aux_loss, torch.stack(seen).sum())
+    (out.loss_sum + 0.3 * sum(out.mtp_loss_sums)).backward()
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    model.zero_grad()
+    model(ids, labels=labels).mtp_loss_sums[1].backward()
+    assert model.mtp.depths[0].eh_proj.weight.grad.abs().sum() > 0  # depth 2 trains the shared layer too
+
+
+def test_mtp_switched_off_for_a_hub_checkpoint(one_mtp_layer_hub):
+    """``model.mtp_enabled: false``: the MTP layer is loaded (and kept for export) but never runs: no MTP loss,
+    no FLOPs counted for it, no gradient on any MTP weight."""
+    from safetensors.torch import load_file
+
+    from lightning_moe.models.flops import mtp_depths
+
+    _, hub = one_mtp_layer_hub
+    model, _ = native_from_hub(hub, mtp_enabled=False)
+    hub_tensors = load_file(hub / "model.safetensors")
+    assert torch.equal(model.mtp.depths[0].eh_proj.weight, hub_tensors["mtp.layers.0.eh_proj.weight"])
+    calls = []
+    model.mtp.register_forward_pre_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = model.train()(ids, labels=ids.roll(-1, dims=1))
+    assert out.mtp_loss_sums == [] and calls == [] and mtp_depths(model.config) == 0
+    (out.loss_sum + out.aux_loss).backward()
+    mtp = {n: p.grad for n, p in model.named_parameters() if n.startswith("mtp.")}
+    assert mtp and all(grad is None for grad in mtp.values())
+    assert model.embed.weight.grad is not None
+
+
+def test_native_mtp_settings_name_what_is_wrong(tmp_path, hub_checkpoint, one_mtp_layer_hub):
+    from lightning_moe.models.hf import HFModelConfig
+    from lightning_moe.modules.causal_lm import CausalLM
+
+    _, two_layers = hub_checkpoint
+    with pytest.raises(ValueError, match=r"mtp_shared_depths=3: the checkpoint .* holds 2 MTP layers"):
+        native_from_hub(two_layers, mtp_shared_depths=3)
+    build_tiny(latent=None).save_pretrained(tmp_path / "no_mtp")  # transformers saves no MTP layers
+    with pytest.raises(ValueError, match="model.mtp_enabled: the checkpoint .* has no MTP layers"):
+        native_from_hub(tmp_path / "no_mtp", mtp_enabled=False)
+    with pytest.raises(ValueError, match=r"mtp_shared_depths=0 must be >= 1"):
+        HFModelConfig(hf=str(two_layers), mtp_shared_depths=0)
+    module = CausalLM(model=HFModelConfig(hf=str(one_mtp_layer_hub[1]), native="never", mtp_enabled=False))
+    with pytest.raises(ValueError, match="model.mtp_enabled=False applies to the native decoder's MTP layers"):
+        module.resolved_config()
+
+
 # ---------------------------------------------------------------------------------- FLOPs
-def test_flops_match_flop_counter():
-    """Training FLOPs from the config (Mamba scan, MoE, attention, MTP) against FlopCounterMode on a real step.
+@pytest.mark.parametrize("shared", [False, True], ids=["own_mtp_layers", "shared_mtp_layer"])
+def test_flops_match_flop_counter(shared):
+    """Training FLOPs from the config (Mamba scan, MoE, attention, MTP) against FlopCounterMode on a real step;
+    a shared MTP layer runs (and counts) once per depth.
 
     FlopCounterMode counts matmuls only, so two terms are swapped for what it sees: the causal attention
     score pairs for sdpa's math path full square (torch's own formula), and the conv's multiply-adds
@@ -327,6 +443,7 @@ def test_flops_match_flop_counter():
 
     cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
     cfg.moe.backend = "loop"  # per-expert matmuls, which FlopCounterMode counts
+    cfg.mtp.shared = shared
     batch, seq = 2, 4 * cfg.mamba.chunk_size
     torch.manual_seed(0)
     model = Decoder(cfg).train()
@@ -398,15 +515,29 @@ def test_lora_adapts_mamba_experts_and_mtp_layers(tmp_path):
 # ---------------------------------------------------------------------------------- expert parallelism
 def check_expert_parallel_with_mtp() -> None:
     """One rank of ``dp_shard=2, ep=2``: each rank runs one row; the summed main and per-depth MTP losses and
-    the gradients (experts of backbone and MTP layers included) equal one process running both rows."""
+    the gradients (experts of backbone and MTP layers included) equal one process running both rows, with two
+    MTP depths of their own and with one MTP layer shared by both depths (run twice per forward and recomputed
+    twice under activation checkpointing)."""
+    import torch.distributed as dist
+
+    from lightning_moe.parallel import ParallelDims
+
+    dims = ParallelDims(dp_shard=2, ep=2, world_size=dist.get_world_size())
+    dims.build_meshes("cpu")
+    for shared in (False, True):
+        cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
+        cfg.moe.aux_loss_coeff = 0.0  # a batch statistic: differs between one row and two by definition
+        cfg.mtp.shared = shared
+        check_expert_parallel_layout(cfg, dims, activation_checkpointing="full" if shared else "none")
+
+
+def check_expert_parallel_layout(cfg, dims, activation_checkpointing: str) -> None:
     import torch.distributed as dist
 
     from lightning_moe.checkpoint.load import copy_tensors_into
     from lightning_moe.models.decoder import Decoder
-    from lightning_moe.parallel import ParallelDims, parallelize
+    from lightning_moe.parallel import parallelize
 
-    cfg = family_by_name("nemotron_h").from_hf_config(hf_config().to_dict())
-    cfg.moe.aux_loss_coeff = 0.0  # a batch statistic: differs between one row and two by definition
     torch.manual_seed(0)
     reference = Decoder(cfg)
     reference.init_weights()
@@ -414,11 +545,9 @@ def check_expert_parallel_with_mtp() -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=gen)
     labels = ids.roll(-1, dims=1).masked_fill(torch.rand(2, 24, generator=gen) < 0.2, -100)
 
-    dims = ParallelDims(dp_shard=2, ep=2, world_size=dist.get_world_size())
-    dims.build_meshes("cpu")
     with torch.device("meta"):
         model = Decoder(cfg)
-    parallelize(model, dims)
+    parallelize(model, dims, activation_checkpointing=activation_checkpointing)
     model.to_empty(device="cpu")
     model.init_weights()
     copy_tensors_into(model, reference.state_dict().items())
@@ -429,6 +558,7 @@ def check_expert_parallel_with_mtp() -> None:
         return torch.stack([out.loss_sum.detach(), *[s.detach() for s in out.mtp_loss_sums]])
 
     expected = run(reference, slice(0, 2))
+    assert len(expected) == 1 + cfg.mtp.num_layers
     rank = dist.get_rank()
     got = run(model, slice(rank, rank + 1))
     dist.all_reduce(got)
@@ -442,7 +572,6 @@ def check_expert_parallel_with_mtp() -> None:
         # FSDP averages gradients over the two data-parallel ranks; the reference summed both rows
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
         torch.testing.assert_close(grad * 2, reference_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
-
 
 
 @pytest.mark.distributed

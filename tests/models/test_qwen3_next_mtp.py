@@ -74,6 +74,26 @@ def test_import_export_is_bitwise_with_the_mtp_tensors(tmp_path, hub):
     assert json.loads((tmp_path / "export" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
 
 
+
+def test_the_hub_mtp_layer_shared_by_two_depths_exports_bitwise(tmp_path, hub):
+    """``model.mtp_shared_depths: 2`` (Megatron's repeated MTP layer): the hub's one MTP layer runs at both depths
+    (two MTP losses) and is exported back as the hub holds it."""
+    from test_nemotron_h import native_from_hub
+
+    from lightning_moe.checkpoint.convert import export_model
+
+    hf, _, path, _ = hub
+    model, source = native_from_hub(path, mtp_shared_depths=2)
+    assert (model.config.mtp.num_layers, len(model.mtp.depths)) == (2, 1)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    out = model(ids, labels=ids.roll(-1, dims=1))
+    assert len(out.mtp_loss_sums) == 2 and all(torch.isfinite(loss) for loss in out.mtp_loss_sums)
+    export_model(model, tmp_path / "export", hf_config=source.hf_config)
+    report = verify_hf_checkpoints(path, tmp_path / "export")
+    assert report.ok, report.summary()
+    assert report.tensors == len(SafetensorsDir(path).keys())
+    assert family_by_name("qwen3_next").to_hf_config(model.config)["mtp_num_hidden_layers"] == 1
+
 def one_plus_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 

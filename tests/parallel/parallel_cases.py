@@ -44,8 +44,11 @@ def tiny_config(name: str) -> ModelConfig:
     the same with a selection bias that sends every token to experts 0 and 1. ``gpt_oss_like``: tied
     embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias.
     ``deepseek_like``: MLA, group-limited sigmoid routing with a shared expert, one MTP depth; ``mla_moe``:
-    the same without MTP (context parallelism does not split MTP heads)."""
-    if name in ("deepseek_like", "mla_moe"):
+    the same without MTP (context parallelism does not split MTP heads); ``deepseek_shared_mtp``: one MTP layer
+    applied at 2 depths (Megatron's repeated MTP layer)."""
+    if name in ("deepseek_like", "mla_moe", "deepseek_shared_mtp"):
+        mtp = {"deepseek_like": MTPConfig(num_layers=1, pattern="*E", loss_scale=0.3),
+               "deepseek_shared_mtp": MTPConfig(num_layers=2, pattern="*E", loss_scale=0.3, shared=True)}.get(name)
         return ModelConfig(
             family="deepseek_v3", vocab_size=64, hidden_size=32, pattern="*-*E",
             attention=AttentionConfig(type="mla", num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -53,8 +56,7 @@ def tiny_config(name: str) -> ModelConfig:
             mlp=MLPConfig(64),
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, score_func="sigmoid", n_group=2,
                           topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, num_shared_experts=1),
-            mtp=MTPConfig(num_layers=1, pattern="*E", loss_scale=0.3) if name == "deepseek_like" else None,
-            init_std=0.05,
+            mtp=mtp, init_std=0.05,
         )
     if name == "gpt_oss_like":
         return ModelConfig(

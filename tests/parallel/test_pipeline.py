@@ -57,6 +57,9 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
         ("tied_embeddings_zbv", "gpt_oss_like", {"pp": 2, "vp": 2, "pp_schedule": "zbv"}),
         ("moe_mtp_1f1b", "deepseek_like", {"pp": 2}),
         ("moe_mtp_interleaved", "deepseek_like", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
+        # one MTP layer applied at 2 depths on the last stage
+        ("moe_shared_mtp_1f1b", "deepseek_shared_mtp", {"pp": 2}),
+        ("moe_shared_mtp_interleaved", "deepseek_shared_mtp", {"pp": 2, "vp": 2, "pp_layout": "Et|t|t|tmL"}),
     ]
     # the generic transformers path (native: never): Llama, Qwen3 with a sliding-window second layer, Qwen3-MoE
     hf = pipeline_cases.save_hf_models(tmp_path, "llama", "qwen3_sliding", "qwen3_moe")
@@ -72,7 +75,7 @@ def test_two_rank_pipelines_train_like_one_process(tmp_path):
     broken = [("swapped_blocks", "llama", {"pp": 2}), ("dropped_micro_batch", "llama", {"pp": 2}),
               ("ignored_activations", hf["llama"], {"pp": 2})]
     expected = references(tmp_path, "llama", "deepseek_like", *lora.values(), checkpoint_every=pipeline_cases.STEPS)
-    expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like", *hf.values()))
+    expected.update(references(tmp_path, "llama_lora", "llama_fp8", "gpt_oss_like", "deepseek_shared_mtp", *hf.values()))
     expected["llama_inductor"] = pipeline_cases.fit("llama_inductor", inductor, tmp_path / "reference_inductor",
                                                     devices=1)
     run_distributed_test(pipeline_cases.check_pipelines, 2, str(tmp_path), expected, cases, broken, True,

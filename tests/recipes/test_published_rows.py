@@ -57,6 +57,11 @@ def test_the_pages_are_read_as_published(pages):
     lightning = pages[f"{seed_rows.AUTOMODEL_PAGE} | Full Fine-Tuning: NVIDIA H100 80GB, Precision: BF16 | "
                       "Nemotron-3.5-Lightning-30B-A3B-BF16 | 8 GPUs"]
     assert lightning["mtp"] == 0 and lightning["dataset"] == "tulu-3" and lightning["packed"] is True
+    full = f"{seed_rows.AUTOMODEL_PAGE} | Full Fine-Tuning: NVIDIA H100 80GB, Precision: BF16 | "
+    # the note "Qwen3.8-27B freezes vision; GLM-5.3-Flash and Nemotron-3.5-Super-VL freeze vision and embeddings."
+    assert pages[full + "Qwen3.8-27B | 8 GPUs"]["frozen"] == ["vision"]
+    assert pages[full + "GLM-5.3-Flash | 72 GPUs"]["frozen"] == ["embeddings", "vision"]
+    assert "frozen" not in pages[full + "GLM-5.3 | 256 GPUs"] and "frozen" not in lightning
     card = pages[f"{seed_rows.MBRIDGE_PAGE} | Pretrain · H100"]
     assert (card["gpus"], card["global_batch_size"], card["micro_batch_size"], card["parallel"]) == (16, 512, 1, {"cp": 2})
     assert (card["initial_loss"], card["final_loss"], card["step_time_s"]) == (12.18927, 7.239111, 36.86927)

@@ -126,7 +126,7 @@ def sigmoid_moe_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "intermediate_size": cfg.mlp.intermediate_size if cfg.mlp else moe.intermediate_size,
         "first_k_dense_replace": dense,
-        "num_nextn_predict_layers": cfg.mtp.num_layers if cfg.mtp else 0,
+        "num_nextn_predict_layers": cfg.mtp.stored_layers if cfg.mtp else 0,
     }
     if moe is not None:
         hf.update(
@@ -219,7 +219,7 @@ def backbone_and_mtp_maps(cfg: ModelConfig, attention: AttentionMaps) -> list[Te
     """Embeddings, every decoder layer and the MTP layers ``model.layers.{L + d}`` (enorm, hnorm, eh_proj, one
     decoder layer, ``shared_head.norm``, and copies of the embedding and output layer)."""
     layers = len(cfg.pattern) // 2
-    depths = cfg.mtp.num_layers if cfg.mtp else 0
+    depths = cfg.mtp.stored_layers if cfg.mtp else 0
     mtp_layers = [f"model.layers.{layers + d}" for d in range(depths)]
     copies = mtp_layers if depths and cfg.mtp.hub_weight_copies else []
     embed_copies = ["model.embed_tokens.weight"] + [f"{hub}.embed_tokens.weight" for hub in copies]

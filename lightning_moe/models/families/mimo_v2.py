@@ -154,7 +154,7 @@ def mimo_v2_hf_config(cfg: ModelConfig, family: str, model_type: str, layout: st
         "add_full_attention_sink_bias": full.sinks, "add_swa_attention_sink_bias": swa.sinks,
         "hybrid_layer_pattern": [int(full.window_for(i) is not None) for i in range(layers)],
         "moe_layer_freq": [int(s == "E") for s in cfg.pattern[1::2]],
-        "num_nextn_predict_layers": cfg.mtp.num_layers if cfg.mtp else 0,
+        "num_nextn_predict_layers": cfg.mtp.stored_layers if cfg.mtp else 0,
     }
     for prefix, att in (("", full), ("swa_", swa)):
         hf.update({f"{prefix}num_attention_heads": att.num_heads, f"{prefix}num_key_value_heads": att.num_kv_heads,
@@ -237,7 +237,7 @@ def mimo_v2_weight_map(cfg: ModelConfig, family: str, fused: bool) -> list[Tenso
     maps = embedding_maps(cfg)
     for i in range(layers):
         maps += _shift_blocks(layer_maps(cfg, cfg.pattern[2 * i : 2 * i + 2], i, f"model.layers.{i}", fused), 2 * i)
-    for d in range(cfg.mtp.num_layers if cfg.mtp else 0):
+    for d in range(cfg.mtp.stored_layers if cfg.mtp else 0):
         hub = f"model.mtp.layers.{d}"
         depth = [TensorMap.rename(f"{ours}.weight", f"{hub}.{theirs}.weight") for ours, theirs in (
             ("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"), ("final_norm", "final_layernorm"))]

@@ -182,7 +182,7 @@ class NemotronH(Family):
             "initializer_range": cfg.init_std,
             "mlp_hidden_act": "relu2",
             "mamba_hidden_act": "silu",
-            "num_nextn_predict_layers": cfg.mtp.num_layers if cfg.mtp else 0,
+            "num_nextn_predict_layers": cfg.mtp.stored_layers if cfg.mtp else 0,
         }
         if cfg.mtp:
             hf["mtp_layers_block_type"] = [HUB_LAYER_TYPES[s] for s in cfg.mtp.pattern]
@@ -297,12 +297,13 @@ def layer_maps(cfg: ModelConfig, symbol: str, native: str, hub: str) -> list[Ten
 
 def mtp_maps(cfg: ModelConfig) -> list[TensorMap]:
     """Depth ``d``, inner layer ``j`` <-> hub ``mtp.layers.{d*L + j}``; the depth's own tensors sit on its
-    first (``eh_proj``, ``enorm``, ``hnorm``) and last (``final_layernorm``) inner layer."""
+    first (``eh_proj``, ``enorm``, ``hnorm``) and last (``final_layernorm``) inner layer. A shared MTP layer
+    (``mtp.shared``) is the hub's one depth, whatever the number of depths that apply it."""
     if cfg.mtp is None:
         return []
     inner = cfg.mtp.pattern
     maps = []
-    for d in range(cfg.mtp.num_layers):
+    for d in range(cfg.mtp.stored_layers):
         native = f"mtp.depths.{d}"
         first, last = f"mtp.layers.{d * len(inner)}", f"mtp.layers.{(d + 1) * len(inner) - 1}"
         maps += [TensorMap.rename(f"{native}.{n}.weight", f"{first}.{n}.weight") for n in ("eh_proj", "enorm", "hnorm")]

@@ -233,9 +233,9 @@ def mtp_layer_pattern(cfg: ModelConfig) -> str:
 
 def mtp_maps(cfg: ModelConfig) -> list[TensorMap]:
     mtp = cfg.mtp
-    if mtp.num_layers != 1 or mtp.pattern != mtp_layer_pattern(cfg):
+    if mtp.stored_layers != 1 or mtp.pattern != mtp_layer_pattern(cfg):
         raise ValueError(f"qwen3_next: the hub holds one MTP layer of pattern {mtp_layer_pattern(cfg)!r}; got "
-                         f"mtp.num_layers={mtp.num_layers}, mtp.pattern={mtp.pattern!r}")
+                         f"mtp.num_layers={mtp.num_layers} (shared: {mtp.shared}), mtp.pattern={mtp.pattern!r}")
     depth = [TensorMap.rename(f"{native}.weight", f"mtp.{hub}.weight") for native, hub in (
         ("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("eh_proj", "fc"), ("final_norm", "norm"))]
     depth += qwen3_next_layer_maps(cfg, fused=True, prefix="mtp", pattern=mtp.pattern)
@@ -266,7 +266,7 @@ class Qwen3Next(Family):
     def to_hf_config(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = qwen3_next_hf_config(cfg, self.name, ARCH, self.model_type)
         if cfg.mtp is not None:
-            hf["mtp_num_hidden_layers"] = cfg.mtp.num_layers
+            hf["mtp_num_hidden_layers"] = cfg.mtp.stored_layers
         return hf
 
     def weight_map(self, cfg: ModelConfig) -> list[TensorMap]:

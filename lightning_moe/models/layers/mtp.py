@@ -5,6 +5,9 @@ token ``t + d``: ``h = eh_proj([enorm(embed(x[t+d])), hnorm(h_prev[t])])``, runs
 (``MTPConfig.pattern``) and a final norm, and is scored by the shared output layer against the target of
 ``t + d`` (labels are pre-shifted, so that is ``labels[t + d]``). Targets that fall into the next packed
 sequence, or past the end of the row, are masked.
+
+With ``MTPConfig.shared`` one depth module holds the weights and runs at every depth (Megatron-Core's repeated
+MTP layer): depth ``d`` feeds it depth ``d - 1``'s output, exactly as separate depths would.
 """
 
 from __future__ import annotations
@@ -66,11 +69,27 @@ def ids_ahead(ids: torch.Tensor, layout: SequenceLayout, depths: int) -> list[to
     return ahead if row is None else [a[:, row.query_index] for a in ahead]
 
 
+def take_aux_losses(module: nn.Module) -> list[torch.Tensor]:
+    """The auxiliary losses the MoE layers inside ``module`` hold from their last call, cleared there."""
+    losses = []
+    for layer in module.modules():
+        if getattr(layer, "aux_loss", None) is not None:
+            losses.append(layer.aux_loss)
+            layer.aux_loss = None
+    return losses
+
+
 class MultiTokenPrediction(nn.Module):
     def __init__(self, config: ModelConfig, build_blocks: BuildBlocks) -> None:
         super().__init__()
         self.config = config
-        self.depths = nn.ModuleList(MTPDepth(config, build_blocks) for _ in range(config.mtp.num_layers))
+        self.depths = nn.ModuleList(MTPDepth(config, build_blocks) for _ in range(config.mtp.stored_layers))
+
+    def depth_modules(self) -> list[MTPDepth]:
+        """The module each depth runs, depth 1 first: the one shared module at every depth under ``shared``."""
+        if self.config.mtp.shared:
+            return [self.depths[0]] * self.config.mtp.num_layers
+        return list(self.depths)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 layout: SequenceLayout, decoder: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -80,22 +99,27 @@ class MultiTokenPrediction(nn.Module):
         tokens and targets ahead are taken from the whole row, then this rank's positions kept."""
         row = layout.context_parallel
         local = None
-        ahead = ids_ahead(input_ids, layout, len(self.depths))
+        depths = self.depth_modules()
+        ahead = ids_ahead(input_ids, layout, len(depths))
         if row is not None:
             labels, local = row.full_row(labels), row.query_index
         docs = (row.full_layout if row is not None else layout).document_ids
-        loss_sums, counts = [], []
+        loss_sums, counts, aux_losses = [], [], []
         previous = hidden
-        for d, (depth, ahead_ids) in enumerate(zip(self.depths, ahead), start=1):
+        for d, (depth, ahead_ids) in enumerate(zip(depths, ahead), start=1):
             target = shift_left(labels, d, IGNORE_INDEX)
             same_sequence = shift_left(docs, d, -1) == docs
             target = target.masked_fill(~same_sequence, IGNORE_INDEX)
             if local is not None:
                 target = target[:, local]
             previous = depth(decoder.embed(ahead_ids), previous, layout)
+            if self.config.mtp.shared:  # the next depth's call replaces them: keep each depth's
+                aux_losses += take_aux_losses(depth)
             loss_sum, count = decoder.output_layer.loss(
                 previous, decoder.output_weight, target, self.config.loss_chunk_size
             )
             loss_sums.append(loss_sum)
             counts.append(count)
+        if aux_losses:  # handed back for the decoder to collect with the other MoE layers'
+            next(m for m in depths[0].modules() if hasattr(m, "aux_loss")).aux_loss = torch.stack(aux_losses).sum()
         return loss_sums, counts
