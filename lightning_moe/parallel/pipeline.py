@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_moe.models.block_flops import Sequences
+from lightning_moe.models.blocks import pattern_kinds
 from lightning_moe.models.decoder import Decoder
-from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, pattern_flops
+from lightning_moe.models.flops import mtp_depths, pattern_flops
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import ids_ahead
 from lightning_moe.models.layers.sequence import SequenceLayout
@@ -143,10 +145,8 @@ def part_costs(decoder: nn.Module, seq_len: int = 4096) -> tuple[list[float], fl
     parameters (what a stage must compute, and hold with its gradients and optimizer states)."""
     cfg = decoder.config
     seqs = Sequences.of_length(min(seq_len, cfg.max_position_embeddings))
-    flops, attention_index = [], 0
-    for symbol in cfg.pattern:
-        flops.append(BLOCK_FLOPS[symbol](cfg, seqs, attention_index).training() / seqs.tokens)
-        attention_index += symbol == "*"
+    flops = [kind.flops(cfg, seqs, attention_index).training() / seqs.tokens
+             for kind, attention_index in pattern_kinds(cfg, cfg.pattern)]
     output_flops = 6.0 * cfg.hidden_size * cfg.vocab_size
     for _ in range(mtp_depths(cfg)):
         output_flops += 6.0 * (2 * cfg.hidden_size) * cfg.hidden_size + 6.0 * cfg.hidden_size * cfg.vocab_size
