@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -16,6 +17,23 @@ from lightning_moe.seeds import seed_in_force
 
 log = logging.getLogger(__name__)
 DEFAULT_SEED = 1234  # without a recipe seed or seed_everything
+
+
+@dataclass(frozen=True)
+class RowLength:
+    """How long a data module's rows are: ``tokens`` each (``key`` names the setting), or, unpacked, at most
+    ``tokens`` and padded to a multiple of ``multiple`` (``pad_seq_to_mult``). The strategy checks that rows
+    split into its context- and sequence-parallel shards; the run card and the FLOP summary count ``tokens``."""
+
+    key: str
+    tokens: int
+    multiple: int | None = None
+
+
+def row_tokens(datamodule: Any) -> int | None:
+    """The tokens per row a data module states through its ``row_length()`` (None where it states none)."""
+    rows = datamodule.row_length() if hasattr(datamodule, "row_length") else None
+    return rows.tokens if rows is not None else None
 
 
 class BaseDataModule(L.LightningDataModule):
@@ -120,6 +138,10 @@ class BaseDataModule(L.LightningDataModule):
         return []
 
     # -- what the data holds ----------------------------------------------------------------------
+    def row_length(self) -> RowLength | None:
+        """The length of the rows this module yields (see :class:`RowLength`); None when rows vary freely."""
+        return None
+
     def token_id_bound(self) -> tuple[int, str] | None:
         """``(n, what)``: every token id in the data is below ``n``; ``what`` names where ``n`` comes from.
         None when unknown."""

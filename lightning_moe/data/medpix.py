@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_moe.data.base import BaseDataModule
+from lightning_moe.data.base import BaseDataModule, RowLength
 from lightning_moe.data.formats import RowError
 from lightning_moe.data.packing import PACKERS
 from lightning_moe.data.sources import load_source
@@ -124,6 +124,10 @@ class MedPixDataModule(BaseDataModule):
         self.train_data: PackedVisionDataset | None = None
         self.val_data: PackedVisionDataset | None = None
         self.skipped: dict[str, Counter] = {}
+
+    def row_length(self) -> RowLength:
+        unpacked = self.packing == "none"
+        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
 
     @property
     def processor(self) -> VisionTextProcessor:

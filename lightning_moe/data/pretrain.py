@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_moe.data.base import BaseDataModule
+from lightning_moe.data.base import BaseDataModule, RowLength
 from lightning_moe.data.collate import Collator
 from lightning_moe.data.gpt_sampling import (
     BlendedDataset,
@@ -137,6 +137,9 @@ class PretrainDataModule(BaseDataModule):
         if size is None:  # one epoch of each member: the largest blend in which no member runs out
             size = int(min((len(m) - 2) / w for m, w in zip(members, weights) if w > 0))
         return BlendedDataset(members, weights, size, cache_dir=self.cache_dir)
+
+    def row_length(self) -> RowLength:
+        return RowLength("seq_length", self.seq_length)
 
     def token_id_bound(self) -> tuple[int, str] | None:
         """From the largest token id of every indexed file the splits read (cached with ``cache_dir``)."""

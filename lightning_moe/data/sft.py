@@ -18,7 +18,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_moe.data.base import BaseDataModule
+from lightning_moe.data.base import BaseDataModule, RowLength
 from lightning_moe.data.collate import Collator
 from lightning_moe.data.formats import PRESETS, RowError, SampleFormat, shift_labels, tokenize_row
 from lightning_moe.data.packed_parquet import (
@@ -251,6 +251,10 @@ class SFTDataModule(BaseDataModule):
         self.train_dataset: PackedDataset | None = None
         self.val_dataset_packed: PackedDataset | None = None
         self.test_dataset_packed: PackedDataset | None = None
+
+    def row_length(self) -> RowLength:
+        unpacked = self.packing == "none"
+        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
 
     @property
     def tokenizer(self) -> Any:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_moe.dtypes import dtype_option
 from lightning_moe.estimate.probe import default_dtype, saved_activations
 from lightning_moe.estimate.recipe import RecipeLayout
 from lightning_moe.models.blocks import submodule
@@ -41,7 +42,6 @@ from lightning_moe.models.flops import mtp_depths
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
-from lightning_moe.parallel.strategy import dtype_option
 from lightning_moe.parallel.tensor import split_parameters
 
 GIB = 1024**3

@@ -6,7 +6,6 @@ set up, and the model's configuration is read from the recipe, a checkpoint dire
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,17 +93,17 @@ def _data_sizes(data: dict) -> tuple[int, int]:
     from lightning.pytorch import LightningDataModule
 
     import lightning_moe.data  # noqa: F401
+    from lightning_moe.data.base import row_tokens
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
     resolved = parser.parse_object({"data": data}).data
-    cls = _import(resolved.class_path)
-    defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items()}
-    args = {**defaults, **dict(resolved.init_args)}
-    seq = args.get("seq_length") or args.get("packed_sequence_size") or args.get("max_length")
-    if not seq or seq is inspect.Parameter.empty:
-        raise ValueError(f"data ({resolved.class_path}): no seq_length / packed_sequence_size to estimate at")
-    return int(args.get("micro_batch_size") or 1), int(seq)
+    module = _import(resolved.class_path)(**dict(resolved.init_args))
+    seq = row_tokens(module)
+    if not seq:
+        raise ValueError(f"data ({resolved.class_path}): no row length (seq_length / packed_sequence_size) to "
+                         f"estimate at")
+    return int(getattr(module, "micro_batch_size", 1) or 1), int(seq)
 
 
 def _import(path: str):

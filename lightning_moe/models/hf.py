@@ -22,7 +22,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.files import HF_CONFIG, read_json
+from lightning_moe.dtypes import FLOAT_DTYPES
+from lightning_moe.io.files import HF_CONFIG, read_json
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
@@ -45,7 +46,6 @@ LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_softcapping", "logits_
                         "output_multiplier", "lm_head_multiplier")
 # layer types whose mixing respects packed-sequence boundaries through the attention mask
 MASKED_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # layers whose output at a token depends on a state carried from earlier tokens (linear attention, Mamba), by class
 SEQUENCE_STATE_CLASSES = re.compile(r"(Mamba\d?Mixer|GatedDeltaNet|DeltaAttention|LightningAttention)$")
 SEQUENCE_STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "lightning_attention")
@@ -93,14 +93,14 @@ class HFModelConfig:
     def __post_init__(self) -> None:
         if self.native not in ("auto", "always", "never"):
             raise ValueError(f"model.native={self.native!r} must be auto, always or never")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} must be one of {sorted(DTYPES)} (or null for float32)")
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} must be one of {sorted(FLOAT_DTYPES)} (or null for float32)")
         if self.bias_update_rate < 0:
             raise ValueError(f"model.bias_update_rate={self.bias_update_rate} must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype or "float32"]
+        return FLOAT_DTYPES[self.dtype or "float32"]
 
 
 # ---------------------------------------------------------------------------------------------- locating

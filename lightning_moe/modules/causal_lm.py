@@ -45,6 +45,7 @@ from lightning_moe.models.hf import (
 from lightning_moe.models.hf_experts import update_correction_biases
 from lightning_moe.models.hf_form import native_as_transformers
 from lightning_moe.models.layers.moe import MoE, update_expert_bias
+from lightning_moe.modules.clipping import clip_gradients
 from lightning_moe.modules.optim import (
     OptimizerConfig,
     SchedulerConfig,
@@ -344,18 +345,7 @@ class CausalLM(L.LightningModule):
         )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        if gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return
-        max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
-        clip = getattr(self.trainer.strategy, "clip_grad_norm", None)
-        norm = clip(params, max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.log("train/grad_norm", norm, rank_zero_only=True)
-        if self.step_stats is not None:
-            self.step_stats.grad_norm = norm
+        clip_gradients(self, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)

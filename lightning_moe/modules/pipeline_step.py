@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
+from lightning_moe.dtypes import WIRE_DTYPES
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.hf import HFModel, build_hf_model
@@ -37,8 +38,6 @@ from lightning_moe.parallel.pipeline import (
 from lightning_moe.parallel.pipeline_hf import PipelinedHFModel, check_hf_pipeline, split_hf
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.peft import reset_lora_parameters
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 class PipelineRunner:
@@ -235,7 +234,7 @@ class PipelineRunner:
 
     def _send(self, tensors: tuple[torch.Tensor, ...], pp_rank: int) -> list:
         peer = self._peer(pp_rank)
-        header = torch.tensor([len(tensors), _DTYPES.index(tensors[0].dtype), *tensors[0].shape], device=self.device)
+        header = torch.tensor([len(tensors), WIRE_DTYPES.index(tensors[0].dtype), *tensors[0].shape], device=self.device)
         works = [dist.isend(header, peer, group=self.group)]
         works += [dist.isend(t.contiguous(), peer, group=self.group) for t in tensors]
         return works
@@ -245,7 +244,7 @@ class PipelineRunner:
         header = torch.zeros(5, dtype=torch.int64, device=self.device)
         dist.recv(header, peer, group=self.group)
         count, dtype, *shape = header.tolist()
-        tensors = tuple(torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for _ in range(count))
+        tensors = tuple(torch.empty(shape, dtype=WIRE_DTYPES[dtype], device=self.device) for _ in range(count))
         for t in tensors:
             dist.recv(t, peer, group=self.group)
         return tensors

@@ -164,21 +164,21 @@ class ParallelDims:
             )
 
     def check_data_module(self, data) -> None:
-        """A data module's row length (``seq_length``, ``packed_sequence_size``, or ``pad_seq_to_mult`` for
-        unpacked rows) must split into the context- and sequence-parallel shards."""
+        """A data module's rows (its ``row_length()``: ``data/base.py``'s ``RowLength``; modules without one
+        are not checked) must split into the context- and sequence-parallel shards."""
+        rows = data.row_length() if hasattr(data, "row_length") else None
+        if rows is None:
+            return
         multiple = self.sequence_multiple()
-        if getattr(data, "packing", None) == "none" and getattr(data, "pad_seq_to_mult", None) is not None:
-            if data.pad_seq_to_mult % multiple:
+        if rows.multiple is not None:
+            if rows.multiple % multiple:
                 raise ValueError(
-                    f"{type(data).__name__}.pad_seq_to_mult={data.pad_seq_to_mult}: unpacked rows must be padded to "
+                    f"{type(data).__name__}.pad_seq_to_mult={rows.multiple}: unpacked rows must be padded to "
                     f"a multiple of {multiple} with cp={self.cp}, tp={self.tp}; set pad_seq_to_mult to a multiple "
                     f"of {multiple}"
                 )
             return
-        for key in ("seq_length", "packed_sequence_size"):
-            value = getattr(data, key, None)
-            if isinstance(value, int):
-                self.check_seq_length(value, f"{type(data).__name__}.{key}")
+        self.check_seq_length(rows.tokens, f"{type(data).__name__}.{rows.key}")
 
     # ------------------------------------------------------------------ meshes
     def build_meshes(self, device_type: str) -> None:

@@ -35,12 +35,13 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_moe.checkpoint.pipelined import (
+from lightning_moe.dtypes import dtype_option
+from lightning_moe.io.pipelined import (
     flattened_optimizer_state,
     has_flattened_optimizer_state,
     load_flattened,
 )
-from lightning_moe.checkpoint.training import (
+from lightning_moe.io.training import (
     check_complete,
     clear_staging,
     load_unsharded,
@@ -58,18 +59,6 @@ from lightning_moe.parallel.pipeline import StageModule, check_schedule, default
 from lightning_moe.parallel.pipeline_hf import HFStage
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
-
-
-def dtype_option(name: str | None, key: str) -> torch.dtype | None:
-    """A dtype setting by name (``bfloat16`` / ``bf16`` ...), or a one-line error naming ``key``."""
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"{key}={name!r} is not one of {sorted(DTYPES)} (or null)")
-    return DTYPES[name]
 
 
 class ParallelStrategy(ModelParallelStrategy):
@@ -271,7 +260,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self.barrier("ParallelStrategy.save_checkpoint: published")
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """A pipelined run's optimizer states are saved keyed by parameter name (``checkpoint/pipelined.py``)."""
+        """A pipelined run's optimizer states are saved keyed by parameter name (``io/pipelined.py``)."""
         if not (self.pipeline_parallel and self._save_distributed_checkpoint):
             return super().optimizer_state(optimizer)
 

@@ -90,7 +90,7 @@ def check_same_export(pipelined, unpipelined, tmp_path, lora: bool = False):
     """``convert export`` (``export-lora`` with ``lora``: the PEFT adapter and the merged model) of a pipelined run
     writes what the one-process run's export writes (the same files, configs and tensor names, shapes and dtypes;
     values equal to fp32 reduction-order noise)."""
-    from lightning_moe.checkpoint.commands import main as convert_main
+    from lightning_moe.convert_command import main as convert_main
 
     outs = {}
     tmp_path.mkdir(parents=True, exist_ok=True)

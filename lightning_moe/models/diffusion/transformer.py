@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.hf import _layer_units, materialize_with_buffers, parameters_on_meta
 from lightning_moe.models.lora_init import reset_lora_parameters
 from lightning_moe.models.weights import copy_tensors_into
