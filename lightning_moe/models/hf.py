@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_moe.dtypes import FLOAT_DTYPES
 from lightning_moe.io.files import HF_CONFIG, read_json
+from lightning_moe.models.build import build_model
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
 from lightning_moe.models.families import family_for_hf_config
@@ -37,7 +38,6 @@ from lightning_moe.models.layers.loss import (
     linear_cross_entropy,
     vocab_parallel_loss,
 )
-from lightning_moe.models.lora_init import reset_lora_parameters
 
 TASKS = ("causal-lm", "image-text-to-text")
 # config keys of heads that transform logits after the output GEMM (softcapping, scaling): those models
@@ -419,26 +419,24 @@ def build_hf_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> HFModel:
-    """Meta construction -> ``convert`` (LoRA/FP8, on meta) -> ``parallelize`` (sharding) -> materialize on
-    ``device`` -> the checkpoint's weights, each rank only its shards; adapters start from ``seed``."""
+    """``build_model`` of the transformers model of ``cfg``: ``convert`` (LoRA/FP8, on meta), ``parallelize``
+    (sharding; a pipeline's split returns the parts this rank's stages hold, ``parallel/pipeline_hf.py``), the
+    checkpoint's weights, each rank only its shards; adapters start from ``seed``."""
     directory = resolve_model_dir(cfg)
-    model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
-    if cfg.force_balanced:
-        force_balanced_routing(model.hf)
-    if cfg.bias_update_rate:  # counts the routing that runs, so after the balanced-routing hook
-        track_expert_load(model.hf, cfg.bias_update_rate)
-    if convert is not None:
-        convert(model)
-    if parallelize is not None:
-        # a pipeline's split returns the parts of the model this rank's stages hold (parallel/pipeline_hf.py)
-        split = parallelize(model)
-        model = split if isinstance(split, HFModel) else model
-    materialize_with_buffers(model, device)
-    load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
-    if any(".lora_" in name for name, _ in model.named_parameters()):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            reset_lora_parameters(model)
+
+    def construct() -> HFModel:
+        model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
+        if cfg.force_balanced:
+            force_balanced_routing(model.hf)
+        if cfg.bias_update_rate:  # counts the routing that runs, so after the balanced-routing hook
+            track_expert_load(model.hf, cfg.bias_update_rate)
+        return model
+
+    def load(model: HFModel) -> None:
+        load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
+
+    model = build_model(construct, materialize=materialize_with_buffers, device=device, seed=seed, convert=convert,
+                        parallelize=parallelize, load=load)
     model.model_dir = directory
     return model
 

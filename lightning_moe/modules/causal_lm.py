@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.source import open_checkpoint
 from lightning_moe.data.tokenizer import load_tokenizer, tokenizer_files
+from lightning_moe.models.build import build_model, to_empty
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -66,7 +67,6 @@ from lightning_moe.peft import (
     keep_checkpoints_adapter_only,
     load_hf_adapter,
     merged_state_dict,
-    reset_lora_parameters,
 )
 from lightning_moe.precision import Float8Config
 from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
@@ -82,22 +82,19 @@ warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\
 def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
                   device: torch.device | str = "cpu", fp8: Float8Config | None = None,
                   peft: LoraConfig | None = None, freeze: list[str] | None = None) -> Decoder:
-    """Meta-device construction -> converters (FP8, LoRA, freezing) -> ``parallelize`` (sharding) -> materialize
-    on ``device`` -> initialize with ``seed`` -> copy the checkpoint's weights (each rank only its shards) when
-    ``source`` is given -> the starting adapter, if any."""
-    with torch.device("meta"):
-        model = Decoder(config)
-    apply_converters(model, fp8, peft, freeze)
-    if parallelize is not None:
-        parallelize(model)
-    model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights(seed)
-        if peft is not None:
-            reset_lora_parameters(model)
-    if source is not None:
-        copy_tensors_into(model, source.iter_native())
+    """``build_model`` of a ``Decoder``: converters (FP8, LoRA, freezing), ``parallelize``, initialization from
+    ``seed``, the weights of ``source`` (a checkpoint; each rank only its shards) when given; then the starting
+    adapter, if any."""
+    def construct() -> Decoder:
+        with torch.device("meta"):
+            return Decoder(config)
+
+    model = build_model(
+        construct, materialize=to_empty, device=device, seed=seed,
+        convert=lambda m: apply_converters(m, fp8, peft, freeze), parallelize=parallelize,
+        initialize=lambda m: m.init_weights(seed),
+        load=None if source is None else lambda m: copy_tensors_into(m, source.iter_native()),
+    )
     if peft is not None and peft.adapter_path is not None:
         load_hf_adapter(model, Path(peft.adapter_path).expanduser(), hf_config=getattr(source, "hf_config", None))
     return model

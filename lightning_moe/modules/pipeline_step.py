@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.dtypes import WIRE_DTYPES
+from lightning_moe.models.build import build_model, to_empty
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.hf import HFModel, build_hf_model
-from lightning_moe.parallel.fsdp import fsdp_applies
 from lightning_moe.parallel.hf_expert import check_hf_expert_parallel
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
@@ -37,7 +37,6 @@ from lightning_moe.parallel.pipeline import (
 )
 from lightning_moe.parallel.pipeline_hf import PipelinedHFModel, check_hf_pipeline, split_hf
 from lightning_moe.parallel.splits import check_micro_batches
-from lightning_moe.peft import reset_lora_parameters
 
 
 class PipelineRunner:
@@ -257,43 +256,48 @@ def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def build_pipelined_decoder(config, *, strategy, seed: int, source=None, fp8=None, peft=None, freeze=None,
                             mtp_scale: float = 0.0) -> tuple[PipelinedDecoder, PipelineRunner]:
-    """Meta-device decoder -> converters -> split into stages -> each stage parallelized like a model ->
-    materialize -> layout-invariant initialization -> this rank's share of the checkpoint's weights."""
+    """``build_model`` of a decoder whose parallelization is the pipeline split: converters -> split into
+    stages -> each stage parallelized like a model -> materialize -> layout-invariant initialization -> this
+    rank's share of the checkpoint's weights."""
     dims, options = strategy.parallel_dims, strategy.pipeline_options
-    parallel = strategy.parallelize_options
-    check_pipeline_model(config, dims, options["pp_schedule"],
-                         sharded=fsdp_applies(dims, parallel["param_dtype"], parallel["cpu_offload"]))
-    with torch.device("meta"):
-        decoder = Decoder(config)
-    apply_converters(decoder, fp8, peft, freeze)
+    parallel = strategy.parallel_options
+    check_pipeline_model(config, dims, options["pp_schedule"], sharded=parallel.fsdp_applies(dims))
+    if peft is not None and peft.adapter_path is not None:
+        raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
     schedule, vp = options["pp_schedule"], options["vp"]
-    specs = split_model(decoder, dims.pp * vp, options["pp_layout"])
     local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
-    if schedule in SPLIT_BACKWARD:
-        decoder.output_layer.repeatable_backward = True
-        if parallel["compile"]:
-            # the weight-gradient pass runs the compiled blocks' backward a second time: AOTAutograd must not
-            # donate (reuse) the saved buffers in the first
-            torch._functorch.config.donated_buffer = False
-    model = PipelinedDecoder(decoder, specs, local, mtp_scale)
-    for stage in model.stages:
-        strategy.parallelize(stage)
-        if dims.cp > 1:
-            stage.context_parallel_group = dims.mesh("cp").get_group()
-    device = strategy.root_device
-    model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        Decoder.init_weights(model, seed)
-        if peft is not None:
-            reset_lora_parameters(model)
-    if source is not None:
+    found = {}
+
+    def construct() -> Decoder:
+        with torch.device("meta"):
+            return Decoder(config)
+
+    def split(decoder: Decoder) -> PipelinedDecoder:
+        found["specs"] = specs = split_model(decoder, dims.pp * vp, options["pp_layout"])
+        if schedule in SPLIT_BACKWARD:
+            decoder.output_layer.repeatable_backward = True
+            if parallel.compile:
+                # the weight-gradient pass runs the compiled blocks' backward a second time: AOTAutograd must not
+                # donate (reuse) the saved buffers in the first
+                torch._functorch.config.donated_buffer = False
+        model = PipelinedDecoder(decoder, specs, local, mtp_scale)
+        for stage in model.stages:
+            strategy.parallelize(stage)
+            if dims.cp > 1:
+                stage.context_parallel_group = dims.mesh("cp").get_group()
+        return model
+
+    def load(model: PipelinedDecoder) -> None:
         # this rank's stages' tensors, under the checkpoint's names (a LoRA-wrapped layer's own weight is
         # ``base_layer.weight`` in the model, plain ``weight`` in checkpoints)
         names = {name.replace(".base_layer.", ".") for name in model.state_dict()}
         copy_tensors_into(model, ((name, t) for name, t in source.iter_native() if name in names))
-    if peft is not None and peft.adapter_path is not None:
-        raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
+
+    device = strategy.root_device
+    model = build_model(construct, materialize=to_empty, device=device, seed=seed,
+                        convert=lambda m: apply_converters(m, fp8, peft, freeze), parallelize=split,
+                        initialize=lambda m: Decoder.init_weights(m, seed), load=None if source is None else load)
+    specs = found["specs"]
     runner = PipelineRunner(model, dims, schedule, vp, specs, device)
     if config.tie_embeddings:
         runner.tied_group = tied_embedding_group(dims, specs, schedule, vp)
@@ -318,7 +322,7 @@ def build_pipelined_hf_model(cfg, *, strategy, seed: int, task: str, convert=Non
     if dims.cp > 1:
         raise ValueError(f"pp={dims.pp} with cp={dims.cp} on the generic transformers path (model.hf) is not "
                          f"supported; use cp=1")
-    if strategy.parallelize_options["compile"]:
+    if strategy.parallel_options.compile:
         raise ValueError(f"pp={dims.pp} on the generic transformers path (model.hf) with compile=True is not "
                          f"supported (untested); use compile=False, or pp=1")
     if dims.tp > 1:

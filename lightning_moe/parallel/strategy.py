@@ -54,6 +54,7 @@ from lightning_moe.parallel.context import shard_batch
 from lightning_moe.parallel.dims import ParallelDims, check_pp, check_sizes
 from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.pipeline import StageModule, check_schedule, default_schedule
 from lightning_moe.parallel.pipeline_hf import HFStage
@@ -122,16 +123,16 @@ class ParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
         self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
-        self.parallelize_options = {
-            "activation_checkpointing": activation_checkpointing,
-            "activation_checkpointing_every": activation_checkpointing_every,
-            "compile": compile,
-            "compile_backend": compile_backend,
-            "param_dtype": dtype_option(param_dtype, "param_dtype"),
-            "reduce_dtype": dtype_option(reduce_dtype, "reduce_dtype"),
-            "cpu_offload": cpu_offload,
-            "reshard_after_forward": reshard_after_forward,
-        }
+        self.parallel_options = ParallelOptions(
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every,
+            compile=compile,
+            compile_backend=compile_backend,
+            param_dtype=dtype_option(param_dtype, "param_dtype"),
+            reduce_dtype=dtype_option(reduce_dtype, "reduce_dtype"),
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+        )
         self._parallel_dims: ParallelDims | None = None
 
     # ------------------------------------------------------------------ meshes
@@ -196,7 +197,7 @@ class ParallelStrategy(ModelParallelStrategy):
                     f"or transformers' on the generic path); {type(model).__name__} (e.g. a vision model) is not "
                     f"split into stages yet: use pp=1"
                 )
-        return parallelize(model, self.parallel_dims, **self.parallelize_options)
+        return parallelize(model, self.parallel_dims, self.parallel_options)
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's share of a batch: the context-parallel sequence split (identity when ``cp == 1``)."""

@@ -142,7 +142,7 @@ def test_context_parallel_split_is_load_balanced_and_complete():
 
 
 def test_tensor_parallel_refuses_low_precision_shards_of_partial_blocks():
-    from lightning_moe.parallel.parallelize import refuse_converted_layers
+    from lightning_moe.parallel.native import refuse_converted_layers
     from lightning_moe.precision import Float8Config, apply_float8
 
     with torch.device("meta"):

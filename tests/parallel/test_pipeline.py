@@ -20,6 +20,7 @@ from parallel_cases import tiny_config
 from lightning_moe import ParallelStrategy
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline import (
     balanced_split,
     check_schedule,
@@ -277,8 +278,7 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     ]:
         strategy = SimpleNamespace(parallel_dims=ParallelDims(pp=2, world_size=2),
                                    pipeline_options={"vp": vp, "pp_schedule": schedule, "pp_layout": None},
-                                   parallelize_options={"activation_checkpointing": "none", "compile": False,
-                                                         **options})
+                                   parallel_options=ParallelOptions(**options))
         with pytest.raises(ValueError, match=message):
             build_pipelined_hf_model(HFModelConfig(hf=names["qwen3_moe"][3:], native="never"), strategy=strategy,
                                      seed=0, task="causal-lm")
