@@ -204,7 +204,7 @@ class RunCard(StepEndCallback):
         model = describe_model(pl_module)
         losses = self.losses.values()
         datamodule = trainer.datamodule
-        pipeline = getattr(pl_module, "_pipeline", None)
+        pipeline = getattr(trainer.strategy, "pipeline", None)
         finished = time.time()
         return {
             "name": self.name or " ".join(str(x) for x in (model["class"], model.get("family")) if x),

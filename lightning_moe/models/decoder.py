@@ -65,6 +65,9 @@ class Decoder(nn.Module):
     """``forward(input_ids, position_ids=None)`` -> logits [batch, seq, vocab];
     ``forward(input_ids, position_ids, labels=labels)`` -> :class:`LossOutput` (fused, chunked output layer)."""
 
+    # checkpoint tensors of the model that other pipeline ranks hold (a pipelined model's, parallel/pipeline_stages.py)
+    held_elsewhere: frozenset[str] = frozenset()
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

@@ -288,6 +288,8 @@ class HFModel(nn.Module):
     """
 
     mtp = None  # no multi-token-prediction heads: parallelism helpers look for them
+    # checkpoint tensors of the model that other pipeline ranks hold (a pipelined model's, parallel/pipeline_stages.py)
+    held_elsewhere: frozenset[str] = frozenset()
 
     def __init__(self, hf_model: nn.Module, loss_chunk_size: int = 1024) -> None:
         super().__init__()
@@ -433,7 +435,7 @@ def build_hf_model(
         return model
 
     def load(model: HFModel) -> None:
-        load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
+        load_hf_weights(model.hf, directory, elsewhere=model.held_elsewhere)
 
     model = build_model(construct, materialize=materialize_with_buffers, device=device, seed=seed, convert=convert,
                         parallelize=parallelize, load=load)

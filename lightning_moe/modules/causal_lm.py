@@ -55,8 +55,6 @@ from lightning_moe.modules.optim import (
     check_finite,
 )
 from lightning_moe.modules.pipeline_step import (
-    build_pipelined_decoder,
-    build_pipelined_hf_model,
     pipelined_eval_step,
     pipelined_training_step,
 )
@@ -93,9 +91,12 @@ def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, paralleliz
         construct, materialize=to_empty, device=device, seed=seed,
         convert=lambda m: apply_converters(m, fp8, peft, freeze), parallelize=parallelize,
         initialize=lambda m: m.init_weights(seed),
-        load=None if source is None else lambda m: copy_tensors_into(m, source.iter_native()),
+        load=None if source is None else lambda m: copy_tensors_into(
+            m, ((name, t) for name, t in source.iter_native() if name not in m.held_elsewhere)),
     )
     if peft is not None and peft.adapter_path is not None:
+        if model.held_elsewhere:
+            raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
         load_hf_adapter(model, Path(peft.adapter_path).expanduser(), hf_config=getattr(source, "hf_config", None))
     return model
 
@@ -155,7 +156,7 @@ class CausalLM(L.LightningModule):
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
-        self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
+        self._pipeline = None  # the runner of the stages under pipeline parallelism (the strategy's)
         self.step_stats: StepStats | None = None
         self._source = None
         self._attention_backend = None  # model.attention_backend of an HFModelConfig routed to the native path
@@ -185,14 +186,18 @@ class CausalLM(L.LightningModule):
                              "decoder's kernel; this model trains through transformers: use model.attn_implementation")
 
     def resolved_config(self) -> ModelConfig:
+        """The native model's config: ``model``, or the checkpoint's, with this module's ``mtp_loss_scale``."""
         self._route_hf()
         source = self._checkpoint()
-        if self.model_config is None:
-            for attention in (source.config.attention, source.config.sliding_attention):
+        config = self.model_config
+        if config is None:
+            config = source.config
+            for attention in (config.attention, config.sliding_attention):
                 if self._attention_backend is not None and attention is not None:
                     attention.backend = self._attention_backend
-            return source.config
-        return self.model_config
+        if self.mtp_loss_scale is not None and config.mtp is not None:
+            config = dataclasses.replace(config, mtp=dataclasses.replace(config.mtp, loss_scale=self.mtp_loss_scale))
+        return config
 
     def setup(self, stage: str) -> None:
         self.seed = seed_in_force(self.own_seed, DEFAULT_SEED, self.trainer)
@@ -206,27 +211,15 @@ class CausalLM(L.LightningModule):
         strategy = self.trainer.strategy
         self._route_hf()
         if isinstance(self.model_config, HFModelConfig):
-            if getattr(strategy, "pipeline_parallel", False):
-                self._check_hf_adapters()
-                self.model, self._pipeline = build_pipelined_hf_model(
-                    self.model_config, strategy=strategy, seed=self.seed, task=self.hf_task,
-                    convert=hf_converters(self.fp8, self.peft, self.freeze),
-                )
-                return
             self.model = self._build_hf(strategy)
-            return
-        if getattr(strategy, "pipeline_parallel", False):
-            config = self.resolved_config()
-            self.model, self._pipeline = build_pipelined_decoder(
-                config, strategy=strategy, seed=self.seed, source=self._checkpoint(), fp8=self.fp8, peft=self.peft,
-                freeze=self.freeze, mtp_scale=self._mtp_scale(config),
+        else:
+            self.model = build_decoder(
+                self.resolved_config(), seed=self.seed, source=self._checkpoint(),
+                parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
+                fp8=self.fp8, peft=self.peft, freeze=self.freeze,
             )
-            return
-        self.model = build_decoder(
-            self.resolved_config(), seed=self.seed, source=self._checkpoint(),
-            parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
-            fp8=self.fp8, peft=self.peft, freeze=self.freeze,
-        )
+        # under a pipeline the strategy split the model into stages and keeps their runner
+        self._pipeline = getattr(strategy, "pipeline", None)
 
     def on_fit_start(self) -> None:
         # token ids past the embedding end in an IndexError deep in the first step; name them now
@@ -277,10 +270,11 @@ class CausalLM(L.LightningModule):
         out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
         return out, batch["input_ids"].numel()
 
-    def _mtp_scale(self, config: ModelConfig | None = None) -> float:
+    def _mtp_scale(self) -> float:
+        """The weight of the MTP loss (``mtp_loss_scale``, or the model's ``mtp.loss_scale``)."""
         if self.mtp_loss_scale is not None:
             return self.mtp_loss_scale
-        mtp = (config or self.model.config).mtp
+        mtp = self.model.config.mtp
         return mtp.loss_scale if mtp is not None else 0.0
 
     @staticmethod

@@ -94,6 +94,9 @@ class TransformersModel:
         Refusal(("ep", "tp"), "whose tensor-parallel plan is not combined with expert parallelism there"),
         Refusal(("compile", "tp"), "whose tensor-parallel plan is not tested compiled"),
         Refusal(("compile", "cp"), "whose context-parallel attention is not tested compiled"),
+        Refusal(("pp", "cp"), "whose pipeline stages are not split by context parallelism there"),
+        Refusal(("pp", "tp"), "whose tensor-parallel plan names the whole model, not a pipeline stage"),
+        Refusal(("compile", "pp"), "whose pipeline stages are not tested compiled"),
     )
 
     def check(self, model: nn.Module, dims, options) -> None:

@@ -398,6 +398,10 @@ class PipelinedDecoder(nn.Module):
         self.mtp = decoder.mtp if last else None
         # a plain list: the stages share these modules, registering them twice would repeat every name
         self.stages = [StageModule(decoder, specs[i], mtp_scale) for i in local]
+        self.held_elsewhere: frozenset[str] = frozenset()  # set by the split (parallel/pipeline_stages.py)
+
+    # the decoder's layout-invariant initialization, over the parts this rank holds
+    init_weights = Decoder.init_weights
 
     def moe_layers(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -56,8 +56,8 @@ from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
-from lightning_moe.parallel.pipeline import StageModule, check_schedule, default_schedule
-from lightning_moe.parallel.pipeline_hf import HFStage
+from lightning_moe.parallel.pipeline import check_schedule, default_schedule
+from lightning_moe.parallel.pipeline_stages import check_splittable, split_into_stages
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
 
@@ -134,6 +134,8 @@ class ParallelStrategy(ModelParallelStrategy):
             reshard_after_forward=reshard_after_forward,
         )
         self._parallel_dims: ParallelDims | None = None
+        # the runner of this rank's pipeline stages, set when the model is built (parallel/pipeline_runner.py)
+        self.pipeline = None
 
     # ------------------------------------------------------------------ meshes
     def setup_environment(self) -> None:
@@ -190,13 +192,13 @@ class ParallelStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ model and batches
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (meta device, after converters) split over the meshes; under a pipeline, first split into
+        stages, each parallelized, whose runner this strategy keeps (:attr:`pipeline`)."""
         if self.pipeline_parallel:
-            if not isinstance(model, (StageModule, HFStage)):
-                raise ValueError(
-                    f"pp={self._sizes['pp']}: pipeline parallelism splits the decoders trained by CausalLM (native, "
-                    f"or transformers' on the generic path); {type(model).__name__} (e.g. a vision model) is not "
-                    f"split into stages yet: use pp=1"
-                )
+            check_splittable(model, self._sizes["pp"])
+            model, self.pipeline = split_into_stages(model, self.parallel_dims, self.parallel_options,
+                                                     self.pipeline_options, self.root_device)
+            return model
         return parallelize(model, self.parallel_dims, self.parallel_options)
 
     def shard_batch(self, batch: dict) -> dict:
@@ -212,8 +214,7 @@ class ParallelStrategy(ModelParallelStrategy):
         """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
         # under a pipeline each rank holds some stages' parameters: their norms are combined over the stages
         group = self.parallel_dims.mesh("pp").get_group() if self.pipeline_parallel else None
-        pipeline = getattr(self.lightning_module, "_pipeline", None)
-        uncounted = pipeline.uncounted_parameters() if pipeline is not None else ()
+        uncounted = self.pipeline.uncounted_parameters() if self.pipeline is not None else ()
         return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group, uncounted=uncounted)
 
     @contextmanager

@@ -216,7 +216,7 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
         check_schedule("zbv", 2, 4)
     with pytest.raises(ValueError, match="pp_schedule='bogus' is not one of"):
         ParallelStrategy(pp=2, pp_schedule="bogus")
-    from lightning_moe.modules.pipeline_step import check_micro_batches
+    from lightning_moe.parallel.splits import check_micro_batches
 
     with pytest.raises(ValueError, match="pp=4 pipeline stages need at least 4 micro-batches per step, got 2"):
         check_micro_batches(2, 4)
@@ -228,7 +228,7 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
-    from lightning_moe.modules.pipeline_step import check_pipeline_model
+    from lightning_moe.parallel.pipeline_stages import check_pipeline_model
 
     tied = tiny_config("gpt_oss_like")
     check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=False)
@@ -268,17 +268,12 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     moe.hf.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
         check_hf_pipeline(moe)
-    from types import SimpleNamespace
-
-    from lightning_moe.modules.pipeline_step import build_pipelined_hf_model
+    from lightning_moe.parallel.pipeline_stages import split_into_stages
 
     for schedule, vp, options, message in [
         ("zbv", 2, {}, "zero-bubble schedules are built for native decoders only"),
-        ("1f1b", 1, {"compile": True}, "with compile=True is not supported"),
+        ("1f1b", 1, {"compile": True}, "compile=True with pp=2: Qwen3MoeForCausalLM runs through transformers"),
     ]:
-        strategy = SimpleNamespace(parallel_dims=ParallelDims(pp=2, world_size=2),
-                                   pipeline_options={"vp": vp, "pp_schedule": schedule, "pp_layout": None},
-                                   parallel_options=ParallelOptions(**options))
         with pytest.raises(ValueError, match=message):
-            build_pipelined_hf_model(HFModelConfig(hf=names["qwen3_moe"][3:], native="never"), strategy=strategy,
-                                     seed=0, task="causal-lm")
+            split_into_stages(meta("qwen3_moe"), ParallelDims(pp=2, world_size=2), ParallelOptions(**options),
+                              {"vp": vp, "pp_schedule": schedule, "pp_layout": None}, "cpu")
