@@ -92,6 +92,10 @@ class BlockKind:
     traded_heads: Callable[[ModelConfig], tuple[str, int, str]] | None = None
     experts: str | None = None
 
+    def __reduce__(self):
+        # a record is a constant of this module: copies and pickles of a model refer to it by name
+        return kind_named, (self.name,)
+
 
 def _attention(cls: type) -> Callable[[ModelConfig, int], nn.Module]:
     def build(cfg: ModelConfig, attention_index: int) -> nn.Module:
@@ -175,6 +179,10 @@ KINDS = (
                           shard_loss=True),
               check_tensor_split=_check_shared_experts_width, experts="moe.experts"),
 )
+
+
+def kind_named(name: str) -> BlockKind:
+    return next(kind for kind in KINDS if kind.name == name)
 
 
 def block_kind(cfg: ModelConfig, symbol: str, attention_index: int) -> BlockKind:
