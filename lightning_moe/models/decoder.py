@@ -136,9 +136,14 @@ class Decoder(nn.Module):
         return out
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        losses = []
-        for moe in self.moe_layers():
-            if moe.aux_loss is not None:
-                losses.append(moe.aux_loss)
-                moe.aux_loss = None
-        return torch.stack(losses).sum() if losses else None
+        return collect_aux_loss(self.moe_layers())
+
+
+def collect_aux_loss(moe_layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the load-balancing losses the MoE layers' last forwards left (then cleared), or None."""
+    losses = []
+    for moe in moe_layers:
+        if moe.aux_loss is not None:
+            losses.append(moe.aux_loss)
+            moe.aux_loss = None
+    return torch.stack(losses).sum() if losses else None

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_moe.models.block_flops import Sequences
 from lightning_moe.models.blocks import pattern_kinds
-from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.decoder import Decoder, collect_aux_loss
 from lightning_moe.models.flops import mtp_depths, pattern_flops
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import ids_ahead
@@ -360,7 +360,7 @@ class StageModule(nn.Module):
         return objective
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        return Decoder._collect_aux_loss(self)  # this stage's MoE layers (moe_layers), as the whole decoder's
+        return collect_aux_loss(self.moe_layers())  # this stage's MoE layers, as the whole decoder's
 
 
 def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
