@@ -48,7 +48,7 @@ def split_into_stages(model: nn.Module, dims, options: ParallelOptions, pipeline
         if dims.cp > 1:
             stage.context_parallel_group = dims.mesh("cp").get_group()
     runner = PipelineRunner(pipelined, dims, schedule, vp, specs, device)
-    if getattr(model.config, "tie_embeddings", False):
+    if isinstance(model, Decoder) and model.config.tie_embeddings:
         runner.tied_group = tied_embedding_group(dims, specs, schedule, vp)
     if dist.get_rank() == 0:
         print("pipeline split:\n  " + "\n  ".join(runner.split), flush=True)
