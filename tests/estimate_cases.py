@@ -24,7 +24,8 @@ SEQ = 16
 def local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
-    return sum((t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in tensors)
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def held_bytes(recipe: str, sizes: dict[str, int], overrides: list[str]) -> tuple[dict[str, float], dict[str, int]]:
@@ -43,7 +44,9 @@ def held_bytes(recipe: str, sizes: dict[str, int], overrides: list[str]) -> tupl
     model.init_weights(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, layout.model.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(dims.dp_rank))
-    model(ids, None, labels=ids).loss_sum.backward()
+    out = model(ids, None, labels=ids)
+    # every head and the load-balancing loss, so that every trainable parameter gets a gradient and AdamW states
+    (out.loss_sum + sum(out.mtp_loss_sums, torch.zeros(())) + (out.aux_loss if out.aux_loss is not None else 0)).backward()
     optimizer.step()
     params = list(model.parameters())
     moments = [t for state in optimizer.state.values() for key, t in state.items() if key != "step"]
