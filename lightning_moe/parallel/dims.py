@@ -123,7 +123,7 @@ class ParallelDims:
                              f"(Transformer Engine's layers shard through their own tp_group); use "
                              f"te_modules: false with tp > 1, or tp=1")
         # Mamba-2 / Gated DeltaNet / KDA trade tokens for heads over the tp, cp x tp and cp ranks
-        trades = [("tp", self.tp), ("cp*tp", self.cp * self.tp if self.cp > 1 else 1), ("cp", self.cp)]
+        trades = [("tp", self.tp), ("cp*tp", self.cp * self.tp if self.cp > 1 and self.tp > 1 else 1), ("cp", self.cp)]
         for name, size in trades:
             for kind in kinds:
                 if size > 1 and kind.traded_heads is not None:

@@ -25,8 +25,10 @@ def test_readme_lists_the_refusal_tables():
 
 def dims_and_options(settings: tuple[str, ...]) -> tuple[ParallelDims, ParallelOptions]:
     sizes = {name: 2 for name in settings if name != "compile"}
-    world = 2 ** len(sizes)
-    dims = ParallelDims(**sizes, dp_shard=1, world_size=world) if sizes else ParallelDims(world_size=1)
+    # expert parallelism is carved out of the other ranks: data-parallel ones when no tensor-parallel ones
+    dp_shard = 2 if "ep" in sizes and "tp" not in sizes else 1
+    world = 2 ** len(set(sizes) - {"ep"}) * dp_shard
+    dims = ParallelDims(**sizes, dp_shard=dp_shard, world_size=world)
     return dims, ParallelOptions(compile="compile" in settings)
 
 
