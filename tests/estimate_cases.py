@@ -10,12 +10,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_moe.dtypes import dtype_option
 from lightning_moe.estimate.memory import estimate_memory, stored_dtype
 from lightning_moe.estimate.probe import default_dtype
 from lightning_moe.estimate.recipe import load_recipe
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import Decoder
-from lightning_moe.parallel import ParallelDims, parallelize
+from lightning_moe.parallel import ParallelDims, ParallelOptions, parallelize
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
@@ -39,7 +40,11 @@ def held_bytes(recipe: str, sizes: dict[str, int], overrides: list[str]) -> tupl
     with torch.device("meta"), default_dtype(stored_dtype(layout.precision)):
         model = Decoder(layout.model)
     apply_converters(model, layout.fp8, layout.peft, layout.freeze)
-    parallelize(model, dims)
+    # the recipe's mixed-precision policy: FSDP then wraps the model even on one data-parallel rank
+    args = layout.strategy
+    parallelize(model, dims, ParallelOptions(param_dtype=dtype_option(args.get("param_dtype"), "param_dtype"),
+                                             reduce_dtype=dtype_option(args.get("reduce_dtype", "float32"),
+                                                                       "reduce_dtype")))
     model.to_empty(device="cpu")
     model.init_weights(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

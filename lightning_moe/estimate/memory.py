@@ -7,8 +7,9 @@ Components of one rank (bytes), in the order a step fills them:
   routed experts split over ``ep`` and sharded over the rest of the expert region (``dp_shard x cp x tp /
   ep``), or without expert parallelism sharded like dense parameters and never split by ``tp``; pipeline stages hold only their blocks. Stored dtype from the trainer's precision (``bf16-true``:
   bf16, else fp32 master weights), LoRA's ``base_dtype`` for frozen bases.
-- gradients and optimizer states: trainable parameters only, sharded like them; AdamW keeps two moments in
-  the parameter's dtype.
+- gradients and optimizer states: trainable parameters only, sharded like them (but for the embedding's
+  gradient, whole under tensor parallelism without FSDP: ``parallel/tensor.py``'s ``whole_gradients``); AdamW
+  keeps two moments in the parameter's dtype.
 - FSDP working set: the unsharded parameters of the two largest FSDP units in the compute dtype (the one
   running and the one prefetched) and the unsharded gradients of the largest one in the reduce dtype.
 - activations: what autograd saves during a micro-batch's forward, measured by
@@ -41,8 +42,9 @@ from lightning_moe.models.fake_tensors import fake_model
 from lightning_moe.models.flops import mtp_depths
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
-from lightning_moe.parallel.tensor import split_parameters
+from lightning_moe.parallel.tensor import split_parameters, whole_gradients
 
 GIB = 1024**3
 COMPONENTS = ("parameters", "gradients", "optimizer states", "FSDP working set", "activations", "loss buffers")
@@ -132,6 +134,9 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     _, model = build_fake_decoder(layout, stored)
     blocks = repeated_blocks(model)
     experts, tp_split = _expert_params(model), split_parameters(model)
+    wrapped = ParallelOptions(param_dtype=options.get("param_dtype"), cpu_offload=bool(options.get("cpu_offload"))
+                              ).fsdp_applies(dims)  # FSDP reduce-scatters every gradient to its parameter's shards
+    whole_grads = whole_gradients(model) if dims.tp > 1 and not wrapped else set()
     fsdp = dims.fsdp_enabled
     dense_shards = dims.dp_shard * dims.cp if fsdp else 1
     # split over ep, FSDP shards them over the rest of the expert region; without ep, they are dense parameters
@@ -177,8 +182,9 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
         memory = RankMemory(kind=_kind(stage, pp))
         c = memory.components
         c["parameters"] = sum(sharded(p) * p.element_size() for p in params)
-        c["gradients"] = sum(sharded(p) * p.element_size() for p in trainable)
-        c["optimizer states"] = 2 * c["gradients"]
+        c["gradients"] = sum((p.numel() if id(p) in whole_grads else sharded(p)) * p.element_size()
+                             for p in trainable)
+        c["optimizer states"] = 2 * sum(sharded(p) * p.element_size() for p in trainable)
         if fsdp:
             def unit_bytes(unit: str, dtype: torch.dtype | None) -> float:
                 return sum(unsharded(p) * (dtype.itemsize if dtype else p.element_size()) for p in units[unit])

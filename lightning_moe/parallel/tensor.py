@@ -211,6 +211,12 @@ def split_parameters(model: nn.Module) -> set[int]:
     return split
 
 
+def whole_gradients(model: nn.Module) -> set[int]:
+    """Ids of split parameters whose gradient tensor parallelism leaves whole on every rank: the embedding's
+    (its vocabulary-parallel backward returns a replicated gradient) until FSDP reduce-scatters it."""
+    return {id(model.embed.weight)}
+
+
 def _named_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from ((f"layers.{n}", block) for n, block in model.layers.named_children())
     if model.mtp is not None:
