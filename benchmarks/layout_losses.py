@@ -26,6 +26,9 @@ TINY = ROOT / "configs" / "tiny"
 STEPS = 3
 STRATEGY = "--trainer.strategy.init_args."
 
+# the generic path's twin names no strategy: the package's, trained as the transformers model itself
+GENERIC = ["--trainer.strategy=lightning_moe.ParallelStrategy", "--model.init_args.model.hf={hf}",
+           "--model.init_args.model.native=never"]
 # name -> (recipe, processes, strategy sizes, extra overrides); "{hf}" / "{pipeline}": the fixtures' paths
 LAYOUTS = {
     "fsdp": ("moe_benchmark.yaml", 2, {"dp_shard": 2}, []),
@@ -34,9 +37,9 @@ LAYOUTS = {
     "cp": ("dense_cp_benchmark.yaml", 2, {"cp": 2}, []),
     "tp mla + moe": ("mla_moe_benchmark.yaml", 2, {"tp": 2}, []),
     "tp nemotron-h": ("nemotron_h_benchmark.yaml", 2, {"tp": 2}, []),
-    "generic ep": ("hf_causal_lm.yaml", 2, {"ep": 2}, ["--model.init_args.model.hf={hf}"]),
-    "generic cp": ("hf_causal_lm.yaml", 2, {"cp": 2}, ["--model.init_args.model.hf={hf}"]),
-    "generic pp": ("hf_causal_lm.yaml", 2, {"pp": 2}, ["--model.init_args.model.hf={hf}"]),
+    "generic ep": ("hf_causal_lm.yaml", 2, {"ep": 2}, GENERIC),
+    "generic cp": ("hf_causal_lm.yaml", 2, {"cp": 2}, GENERIC),
+    "generic pp": ("hf_causal_lm.yaml", 2, {"pp": 2}, GENERIC),
     "diffusion fsdp": ("qwen_image_naruto.yaml", 2, {"dp_shard": 2}, ["--model.init_args.model.path={pipeline}"]),
 }
 
@@ -62,8 +65,8 @@ def fit(package: Path, work: Path, name: str, paths: dict[str, str]) -> list[flo
     command = [str(Path(sys.executable).parent / "lightning-moe"), "fit", "--config", str(TINY / recipe),
                f"--trainer.max_steps={STEPS}", "--trainer.enable_progress_bar=false",
                f"--trainer.devices={processes}", f"--trainer.default_root_dir={root}",
-               *(f"{STRATEGY}{key}={value}" for key, value in sizes.items()),
-               *(item.format(**paths) for item in extra)]
+               *(item.format(**paths) for item in extra),
+               *(f"{STRATEGY}{key}={value}" for key, value in sizes.items())]
     if recipe == "qwen_image_naruto.yaml":
         command.append(f"--model.init_args.export_dir={root / 'transformer'}")
     env = {**os.environ, "PYTHONPATH": str(package), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="folder for the fixtures and the runs")
     parser.add_argument("--package", type=Path, default=ROOT, help="checkout whose lightning_moe trains")
     parser.add_argument("--out", type=Path, help="where the losses go (JSON)")
-    parser.add_argument("--only", nargs="*", choices=sorted(LAYOUTS), help="a subset of the layouts")
+    parser.add_argument("--only", nargs="*", choices=sorted(LAYOUTS),
+                        help="a subset of the layouts (their losses are added to those --out holds)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("OLD", "NEW"))
     args = parser.parse_args(argv)
     if args.compare:
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--work and --out are needed to train")
     args.work.mkdir(parents=True, exist_ok=True)
     paths = fixtures(args.work)
-    losses = {}
+    losses = json.loads(args.out.read_text()) if args.only and args.out.exists() else {}
     for name in args.only or LAYOUTS:
         start = time.perf_counter()
         losses[name] = fit(args.package.resolve(), args.work, name, paths)

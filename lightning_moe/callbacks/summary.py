@@ -18,9 +18,9 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
     get_human_readable_count,
 )
 
-from lightning_moe.data.base import row_tokens
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import flops_per_token, parameter_flops_per_token
+from lightning_moe.row_length import row_length
 
 
 def model_flops(pl_module: pl.LightningModule, datamodule: Any) -> dict[str, Any]:
@@ -28,7 +28,8 @@ def model_flops(pl_module: pl.LightningModule, datamodule: Any) -> dict[str, Any
     params = list(pl_module.parameters())
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
-    seq_length = row_tokens(datamodule)
+    rows = row_length(datamodule)
+    seq_length = rows.tokens if rows is not None else None
     config = getattr(getattr(pl_module, "model", None), "config", None)
     if isinstance(config, ModelConfig):
         per_token, method = flops_per_token(config, seq_length, trainable), "model config"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -13,27 +12,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.distributed import data_parallel_rank_and_size
 from lightning_moe.data.sampler import DataParallelSampler, ResumableDataLoader
+from lightning_moe.row_length import RowLength
 from lightning_moe.seeds import seed_in_force
 
 log = logging.getLogger(__name__)
 DEFAULT_SEED = 1234  # without a recipe seed or seed_everything
-
-
-@dataclass(frozen=True)
-class RowLength:
-    """How long a data module's rows are: ``tokens`` each (``key`` names the setting), or, unpacked, at most
-    ``tokens`` and padded to a multiple of ``multiple`` (``pad_seq_to_mult``). The strategy checks that rows
-    split into its context- and sequence-parallel shards; the run card and the FLOP summary count ``tokens``."""
-
-    key: str
-    tokens: int
-    multiple: int | None = None
-
-
-def row_tokens(datamodule: Any) -> int | None:
-    """The tokens per row a data module states through its ``row_length()`` (None where it states none)."""
-    rows = datamodule.row_length() if hasattr(datamodule, "row_length") else None
-    return rows.tokens if rows is not None else None
 
 
 class BaseDataModule(L.LightningDataModule):
@@ -139,7 +122,7 @@ class BaseDataModule(L.LightningDataModule):
 
     # -- what the data holds ----------------------------------------------------------------------
     def row_length(self) -> RowLength | None:
-        """The length of the rows this module yields (see :class:`RowLength`); None when rows vary freely."""
+        """The length of the rows this module yields (``lightning_moe/row_length.py``); None when rows vary freely."""
         return None
 
     def token_id_bound(self) -> tuple[int, str] | None:

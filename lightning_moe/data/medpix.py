@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_moe.data.base import BaseDataModule, RowLength
+from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.formats import RowError
 from lightning_moe.data.packing import PACKERS
 from lightning_moe.data.sources import load_source
@@ -33,6 +33,7 @@ from lightning_moe.data.vision_text import (
     load_vision_processor,
     pack_samples,
 )
+from lightning_moe.row_length import RowLength
 
 log = logging.getLogger(__name__)
 IMAGE_COLUMN = "image_id"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_moe.data.base import BaseDataModule, RowLength
+from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.collate import Collator
+from lightning_moe.row_length import RowLength
 
 
 class MockDataset(Dataset):

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_moe.data.base import BaseDataModule, RowLength
+from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.collate import Collator
 from lightning_moe.data.gpt_sampling import (
     BlendedDataset,
@@ -19,6 +19,7 @@ from lightning_moe.data.gpt_sampling import (
 from lightning_moe.data.indexed import IndexedDataset
 from lightning_moe.data.mock import MockDataset
 from lightning_moe.data.tokenizer import load_tokenizer
+from lightning_moe.row_length import RowLength
 
 SPLITS = ("train", "valid", "test")
 

@@ -18,7 +18,7 @@ import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_moe.data.base import BaseDataModule, RowLength
+from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.collate import Collator
 from lightning_moe.data.formats import PRESETS, RowError, SampleFormat, shift_labels, tokenize_row
 from lightning_moe.data.packed_parquet import (
@@ -31,6 +31,7 @@ from lightning_moe.data.packed_parquet import (
 )
 from lightning_moe.data.sources import load_source, source_fingerprint
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id, tokenizer_fingerprint
+from lightning_moe.row_length import RowLength
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe", "packed")

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.row_length import row_length
 
 
 @dataclass
@@ -93,17 +94,16 @@ def _data_sizes(data: dict) -> tuple[int, int]:
     from lightning.pytorch import LightningDataModule
 
     import lightning_moe.data  # noqa: F401
-    from lightning_moe.data.base import row_tokens
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
     resolved = parser.parse_object({"data": data}).data
     module = _import(resolved.class_path)(**dict(resolved.init_args))
-    seq = row_tokens(module)
-    if not seq:
+    rows = row_length(module)
+    if rows is None:
         raise ValueError(f"data ({resolved.class_path}): no row length (seq_length / packed_sequence_size) to "
                          f"estimate at")
-    return int(getattr(module, "micro_batch_size", 1) or 1), int(seq)
+    return int(getattr(module, "micro_batch_size", 1) or 1), rows.tokens
 
 
 def _import(path: str):

@@ -32,6 +32,7 @@ from typing import Any
 
 from lightning_moe.models.blocks import model_kinds
 from lightning_moe.models.splits import check_head_split, divisors
+from lightning_moe.row_length import row_length
 
 SIZE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_SIZE_NAMES = ("pp", *SIZE_NAMES)  # every size ParallelDims takes
@@ -164,9 +165,9 @@ class ParallelDims:
             )
 
     def check_data_module(self, data) -> None:
-        """A data module's rows (its ``row_length()``: ``data/base.py``'s ``RowLength``; modules without one
-        are not checked) must split into the context- and sequence-parallel shards."""
-        rows = data.row_length() if hasattr(data, "row_length") else None
+        """A data module's rows (``lightning_moe/row_length.py``) must split into the context- and
+        sequence-parallel shards."""
+        rows = row_length(data)
         if rows is None:
             return
         multiple = self.sequence_multiple()

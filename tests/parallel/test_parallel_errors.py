@@ -9,7 +9,6 @@ import torch
 
 from lightning_moe import ParallelStrategy
 from lightning_moe.data import MockDataModule
-from lightning_moe.data.base import RowLength
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -90,16 +89,21 @@ def test_models_that_do_not_split(config, sizes, message):
         dims.check_model(config)
 
 
+class PretrainRows:
+    seq_length = 18
+
+
 def test_row_lengths_that_do_not_split():
     dims = ParallelDims(cp=2, tp=2, world_size=4)
     assert dims.sequence_multiple() == 4
-    with pytest.raises(ValueError, match=r"MockDataModule.seq_length 18 is not a multiple of 4 \(2\*cp=4 load-balanced "
+    with pytest.raises(ValueError, match=r"PretrainRows.seq_length 18 is not a multiple of 4 \(2\*cp=4 load-balanced "
                                          r"chunks, cp\*tp=4 sequence-parallel shards\); .* e.g. 20"):
-        dims.check_data_module(MockDataModule(seq_length=18))
-    # SFT / VLM rows: packed to packed_sequence_size, or unpacked and padded to a multiple of pad_seq_to_mult
+        dims.check_data_module(PretrainRows())
+    with pytest.raises(ValueError, match=r"MockDataModule.seq_length 18 is not a multiple of 4"):
+        dims.check_data_module(MockDataModule(seq_length=18))  # the package's modules state their row length
     with pytest.raises(ValueError, match=r"pad_seq_to_mult=2: unpacked rows must be padded to a multiple of 4"):
-        dims.check_data_module(SimpleNamespace(row_length=lambda: RowLength("packed_sequence_size", 64, 2)))
-    dims.check_data_module(SimpleNamespace(row_length=lambda: RowLength("packed_sequence_size", 64)))
+        dims.check_data_module(SimpleNamespace(packing="none", pad_seq_to_mult=2, packed_sequence_size=64))
+    dims.check_data_module(SimpleNamespace(packing="ffd", pad_seq_to_mult=2, packed_sequence_size=64))
     with pytest.raises(ValueError, match=r"sequence length 6 is not a multiple of 2\*cp=4"):
         load_balanced_indices(6, 2, 0)
 
