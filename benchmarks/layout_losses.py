@@ -39,7 +39,7 @@ LAYOUTS = {
     "tp nemotron-h": ("nemotron_h_benchmark.yaml", 2, {"tp": 2}, []),
     "generic ep": ("hf_causal_lm.yaml", 2, {"ep": 2}, GENERIC),
     "generic cp": ("hf_causal_lm.yaml", 2, {"cp": 2}, GENERIC),
-    "generic pp": ("hf_causal_lm.yaml", 2, {"pp": 2}, GENERIC),
+    "generic pp": ("hf_causal_lm.yaml", 2, {"pp": 2}, [*GENERIC, "--data.init_args.global_batch_size=4"]),
     "diffusion fsdp": ("qwen_image_naruto.yaml", 2, {"dp_shard": 2}, ["--model.init_args.model.path={pipeline}"]),
 }
 
