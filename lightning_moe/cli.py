@@ -32,7 +32,7 @@ TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 DEBUG_ENV = "LIGHTNING_MOE_DEBUG"  # set (not 0): user errors keep their traceback
 # tool name -> module with ``main(argv) -> int``
 TOOLS = {
-    "convert": "lightning_moe.checkpoint.commands",
+    "convert": "lightning_moe.convert_command",
     "data": "lightning_moe.data.commands",
     "estimate": "lightning_moe.estimate.command",
     "generate": "lightning_moe.workflows.generate",
@@ -107,7 +107,7 @@ def run_training_cli(argv: list[str] | None, raise_config_errors: bool = False) 
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_moe.checkpoint.training import check_resume_path
+    from lightning_moe.io.training import check_resume_path
     from lightning_moe.workflows.resume import RESUME_NAMES, resolve_resume_path
 
     class CLI(LightningCLI):

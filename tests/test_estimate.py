@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import estimate_cases
 import pytest
 import torch
+from distributed_harness import run_distributed_test
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_moe.estimate.command import main as estimate_main
@@ -130,3 +132,9 @@ def test_pipeline_ranks_hold_the_strategys_split():
     with pytest.raises(ValueError, match="pp_layout"):
         estimate_memory(load_recipe(recipe, ["--trainer.devices", "2", "--trainer.strategy.init_args.pp", "2",
                                              "--trainer.strategy.init_args.pp_layout", "Et|t*9L"]))
+
+
+def test_the_estimate_is_what_each_rank_holds_after_parallelization():
+    """Per-rank parameter, gradient and optimizer bytes of the estimate equal the local shards each of 2 gloo ranks
+    holds after ``parallelize`` and one step: TP of Nemotron-H (latent MoE), TP of MLA + MoE, TP x EP, FSDP2."""
+    run_distributed_test(estimate_cases.check_estimates, 2)

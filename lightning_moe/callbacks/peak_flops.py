@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_moe.checkpoint.atomic import atomic_write_text
+from lightning_moe.io.atomic import atomic_write_text
 
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "GB200": {"bf16": 2.5e15, "fp8": 5.0e15, "mxfp8": 5.0e15, "tf32": 1.25e15},

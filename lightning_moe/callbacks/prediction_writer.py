@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_moe.checkpoint.atomic import atomic_write_text
+from lightning_moe.io.atomic import atomic_write_text
 
 PREDICTIONS = "predictions.jsonl"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_moe.callbacks.card_format import CARD_JSON
-from lightning_moe.checkpoint.atomic import atomic_write_bytes
+from lightning_moe.io.atomic import atomic_write_bytes
 
 PANELS = (
     ("loss", "loss"),

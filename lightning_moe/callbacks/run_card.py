@@ -33,10 +33,11 @@ from lightning_moe.callbacks.memory import PeakMemory
 from lightning_moe.callbacks.preemption import Preempted, Preemption
 from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
 from lightning_moe.callbacks.throughput import Throughput
-from lightning_moe.checkpoint.atomic import atomic_write_text
+from lightning_moe.io.atomic import atomic_write_text
 from lightning_moe.kernels import kernel_checks
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import mtp_depths
+from lightning_moe.row_length import row_length
 from lightning_moe.seeds import global_seed
 
 SERIES_FIELDS = ("step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu")
@@ -67,11 +68,11 @@ def describe_model(pl_module: pl.LightningModule) -> dict[str, Any]:
 
 def data_shape(datamodule: Any) -> dict[str, Any]:
     """Batch sizes and sequence length, as the data module states them."""
-    seq_length = getattr(datamodule, "seq_length", None) or getattr(datamodule, "packed_sequence_size", None)
+    rows = row_length(datamodule)
     return {
         "global_batch_size": getattr(datamodule, "global_batch_size", None),
         "micro_batch_size": getattr(datamodule, "micro_batch_size", None),
-        "seq_length": seq_length,
+        "seq_length": rows.tokens if rows is not None else None,
     }
 
 
@@ -204,7 +205,7 @@ class RunCard(StepEndCallback):
         model = describe_model(pl_module)
         losses = self.losses.values()
         datamodule = trainer.datamodule
-        pipeline = getattr(pl_module, "_pipeline", None)
+        pipeline = getattr(trainer.strategy, "pipeline", None)
         finished = time.time()
         return {
             "name": self.name or " ".join(str(x) for x in (model["class"], model.get("family")) if x),

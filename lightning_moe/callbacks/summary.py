@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.flops import flops_per_token, parameter_flops_per_token
+from lightning_moe.row_length import row_length
 
 
 def model_flops(pl_module: pl.LightningModule, datamodule: Any) -> dict[str, Any]:
@@ -27,7 +28,8 @@ def model_flops(pl_module: pl.LightningModule, datamodule: Any) -> dict[str, Any
     params = list(pl_module.parameters())
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
-    seq_length = getattr(datamodule, "seq_length", None) or getattr(datamodule, "packed_sequence_size", None)
+    rows = row_length(datamodule)
+    seq_length = rows.tokens if rows is not None else None
     config = getattr(getattr(pl_module, "model", None), "config", None)
     if isinstance(config, ModelConfig):
         per_token, method = flops_per_token(config, seq_length, trainable), "model config"

@@ -10,11 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.atomic import atomic_directory
-from lightning_moe.checkpoint.files import copy_aux_files
 from lightning_moe.checkpoint.hf_model import export_hf_model
-from lightning_moe.checkpoint.quantized import check_method, fp8_block_size, quantized_hub_tensors
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir, ShardedWriter
 from lightning_moe.checkpoint.source import (
     HF_CONFIG,
     NATIVE_CONFIG,
@@ -22,6 +18,10 @@ from lightning_moe.checkpoint.source import (
     HFCheckpoint,
     open_checkpoint,
 )
+from lightning_moe.io.atomic import atomic_directory
+from lightning_moe.io.files import copy_aux_files
+from lightning_moe.io.quantized import check_method, fp8_block_size, quantized_hub_tensors
+from lightning_moe.io.safetensors_io import SafetensorsDir, ShardedWriter
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import Family, family_by_name
 from lightning_moe.models.hf import HFModel

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.io.atomic import atomic_directory
 from lightning_moe.peft.lora import ADAPTER_NAME, lora_modules
 from lightning_moe.peft.merge import full_tensor, merged_state_dict
 

@@ -32,14 +32,11 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.checkpoint.convert import (
     copy_aux_files,
     export_hf_config,
     write_hub_tensors,
 )
-from lightning_moe.checkpoint.distributed import STATE_DICT
-from lightning_moe.checkpoint.safetensors_io import ShardedWriter, final_shard_names, name_shards
 from lightning_moe.checkpoint.source import (
     HF_CONFIG,
     NATIVE_CONFIG,
@@ -50,6 +47,9 @@ from lightning_moe.checkpoint.source import (
     expected_tensors,
     open_checkpoint,
 )
+from lightning_moe.io.atomic import atomic_directory
+from lightning_moe.io.distributed import STATE_DICT
+from lightning_moe.io.safetensors_io import ShardedWriter, final_shard_names, name_shards
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.families import TensorMap, family_by_name
 from lightning_moe.models.hf_form import cast_floating

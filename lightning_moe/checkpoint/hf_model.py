@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe.checkpoint.atomic import atomic_directory
-from lightning_moe.checkpoint.files import copy_aux_files
+from lightning_moe.io.atomic import atomic_directory
+from lightning_moe.io.files import copy_aux_files
 from lightning_moe.peft.merge import merged_state_dict
 
 

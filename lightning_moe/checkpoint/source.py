@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_moe.checkpoint.distributed import DistributedCheckpointState
-from lightning_moe.checkpoint.files import HF_CONFIG, read_json
-from lightning_moe.checkpoint.quantized import hub_tensors
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
-from lightning_moe.checkpoint.training import DCP_METADATA
+from lightning_moe.io.distributed import DistributedCheckpointState
+from lightning_moe.io.files import HF_CONFIG, read_json
+from lightning_moe.io.quantized import hub_tensors
+from lightning_moe.io.safetensors_io import SafetensorsDir
+from lightning_moe.io.training import DCP_METADATA
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.families import Family, TensorMap, family_by_name, family_for_hf_config

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.distributed import data_parallel_rank_and_size
 from lightning_moe.data.sampler import DataParallelSampler, ResumableDataLoader
+from lightning_moe.row_length import RowLength
 from lightning_moe.seeds import seed_in_force
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,10 @@ class BaseDataModule(L.LightningDataModule):
         return []
 
     # -- what the data holds ----------------------------------------------------------------------
+    def row_length(self) -> RowLength | None:
+        """The length of the rows this module yields (``lightning_moe/row_length.py``); None when rows vary freely."""
+        return None
+
     def token_id_bound(self) -> tuple[int, str] | None:
         """``(n, what)``: every token id in the data is below ``n``; ``what`` names where ``n`` comes from.
         None when unknown."""

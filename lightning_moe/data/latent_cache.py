@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.io.atomic import atomic_directory
 
 METADATA = "metadata.json"
 FORMAT_VERSION = 1

@@ -33,6 +33,7 @@ from lightning_moe.data.vision_text import (
     load_vision_processor,
     pack_samples,
 )
+from lightning_moe.row_length import RowLength
 
 log = logging.getLogger(__name__)
 IMAGE_COLUMN = "image_id"
@@ -124,6 +125,10 @@ class MedPixDataModule(BaseDataModule):
         self.train_data: PackedVisionDataset | None = None
         self.val_data: PackedVisionDataset | None = None
         self.skipped: dict[str, Counter] = {}
+
+    def row_length(self) -> RowLength:
+        unpacked = self.packing == "none"
+        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
 
     @property
     def processor(self) -> VisionTextProcessor:

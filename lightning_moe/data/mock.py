@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.base import BaseDataModule
 from lightning_moe.data.collate import Collator
+from lightning_moe.row_length import RowLength
 
 
 class MockDataset(Dataset):
@@ -49,6 +50,9 @@ class MockDataModule(BaseDataModule):
         self.seq_length, self.vocab_size = seq_length, vocab_size
         self.num_train_samples, self.num_val_samples = num_train_samples, num_val_samples
         self.collate = Collator(pad_id=0, pad_to=seq_length)
+
+    def row_length(self) -> RowLength:
+        return RowLength("seq_length", self.seq_length)
 
     def token_id_bound(self) -> tuple[int, str]:
         return self.vocab_size, f"the mock data's vocab_size is {self.vocab_size}"

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_moe.checkpoint.atomic import atomic_directory
 from lightning_moe.data.formats import IGNORE_INDEX
 from lightning_moe.data.packing import PACKERS, packing_stats
+from lightning_moe.io.atomic import atomic_directory
 
 log = logging.getLogger(__name__)
 PACKED_FILE = "packed.parquet"

@@ -19,6 +19,7 @@ from lightning_moe.data.gpt_sampling import (
 from lightning_moe.data.indexed import IndexedDataset
 from lightning_moe.data.mock import MockDataset
 from lightning_moe.data.tokenizer import load_tokenizer
+from lightning_moe.row_length import RowLength
 
 SPLITS = ("train", "valid", "test")
 
@@ -137,6 +138,9 @@ class PretrainDataModule(BaseDataModule):
         if size is None:  # one epoch of each member: the largest blend in which no member runs out
             size = int(min((len(m) - 2) / w for m, w in zip(members, weights) if w > 0))
         return BlendedDataset(members, weights, size, cache_dir=self.cache_dir)
+
+    def row_length(self) -> RowLength:
+        return RowLength("seq_length", self.seq_length)
 
     def token_id_bound(self) -> tuple[int, str] | None:
         """From the largest token id of every indexed file the splits read (cached with ``cache_dir``)."""

@@ -31,6 +31,7 @@ from lightning_moe.data.packed_parquet import (
 )
 from lightning_moe.data.sources import load_source, source_fingerprint
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id, tokenizer_fingerprint
+from lightning_moe.row_length import RowLength
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe", "packed")
@@ -251,6 +252,10 @@ class SFTDataModule(BaseDataModule):
         self.train_dataset: PackedDataset | None = None
         self.val_dataset_packed: PackedDataset | None = None
         self.test_dataset_packed: PackedDataset | None = None
+
+    def row_length(self) -> RowLength:
+        unpacked = self.packing == "none"
+        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
 
     @property
     def tokenizer(self) -> Any:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_moe.checkpoint.atomic import atomic_directory
+from lightning_moe.io.atomic import atomic_directory
 from lightning_moe.models.hub import local_dir_or_hub_id, not_fetched
 
 # ChatML-style template. The assistant turn, including its end-of-turn token, sits in a

@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
-from lightning_moe.checkpoint.atomic import atomic_write_text
 from lightning_moe.estimate.memory import COMPONENTS, GIB, RankMemory, estimate_memory
 from lightning_moe.estimate.recipe import load_recipe
+from lightning_moe.io.atomic import atomic_write_text
 
 # usable memory per GPU (what torch.cuda reports as total), longest name fragment first
 DEVICE_MEMORY_GIB = {"GB200": 184.0, "B200": 178.4, "H200": 139.8, "H100": 79.2, "A100": 79.2}

@@ -2,12 +2,14 @@
 
 Components of one rank (bytes), in the order a step fills them:
 
-- parameters: dense tensors sharded by FSDP over ``dp_shard x cp`` and, for matrices, split by ``tp``;
+- parameters: dense tensors sharded by FSDP over ``dp_shard x cp`` and, where tensor parallelism splits them
+  (``parallel/tensor.py``'s ``split_parameters``: what the block records' TP plans split), by ``tp``;
   routed experts split over ``ep`` and sharded over the rest of the expert region (``dp_shard x cp x tp /
-  ep``); pipeline stages hold only their blocks. Stored dtype from the trainer's precision (``bf16-true``:
+  ep``), or without expert parallelism sharded like dense parameters and never split by ``tp``; pipeline stages hold only their blocks. Stored dtype from the trainer's precision (``bf16-true``:
   bf16, else fp32 master weights), LoRA's ``base_dtype`` for frozen bases.
-- gradients and optimizer states: trainable parameters only, sharded like them; AdamW keeps two moments in
-  the parameter's dtype.
+- gradients and optimizer states: trainable parameters only, sharded like them (but for the embedding's
+  gradient, whole under tensor parallelism without FSDP: ``parallel/tensor.py``'s ``whole_gradients``); AdamW
+  keeps two moments in the parameter's dtype.
 - FSDP working set: the unsharded parameters of the two largest FSDP units in the compute dtype (the one
   running and the one prefetched) and the unsharded gradients of the largest one in the reduce dtype.
 - activations: what autograd saves during a micro-batch's forward, measured by
@@ -30,17 +32,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_moe.dtypes import dtype_option
 from lightning_moe.estimate.probe import default_dtype, saved_activations
 from lightning_moe.estimate.recipe import RecipeLayout
+from lightning_moe.models.blocks import submodule
 from lightning_moe.models.converters import apply_converters
-from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.decoder import Block, Decoder
 from lightning_moe.models.fake_tensors import fake_model
 from lightning_moe.models.flops import mtp_depths
-from lightning_moe.models.layers.moe import GroupedExperts, Router
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model, stage_indices
-from lightning_moe.parallel.strategy import dtype_option
+from lightning_moe.parallel.tensor import split_parameters, whole_gradients
 
 GIB = 1024**3
 COMPONENTS = ("parameters", "gradients", "optimizer states", "FSDP working set", "activations", "loss buffers")
@@ -80,14 +84,9 @@ def build_fake_decoder(layout: RecipeLayout, dtype: torch.dtype):
 
 
 def _expert_params(model: nn.Module) -> set[int]:
-    return {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-
-
-def _tp_split(model: nn.Module) -> set[int]:
-    """Parameters tensor parallelism divides: matrices outside routers and experts (norms, biases and router
-    weights are replicated)."""
-    skip = {id(p) for m in model.modules() if isinstance(m, (Router, GroupedExperts)) for p in m.parameters()}
-    return {id(p) for p in model.parameters() if p.dim() >= 2 and id(p) not in skip}
+    """The routed experts' parameters, as their block records name them."""
+    blocks = [m for m in model.modules() if isinstance(m, Block) and m.kind.experts]
+    return {id(p) for block in blocks for p in submodule(block, block.kind.experts).parameters()}
 
 
 def _sizes(layout: RecipeLayout) -> tuple[ParallelDims, int]:
@@ -134,10 +133,14 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
     reduce = dtype_option(options.get("reduce_dtype", "float32"), "reduce_dtype") or torch.float32
     _, model = build_fake_decoder(layout, stored)
     blocks = repeated_blocks(model)
-    experts, tp_split = _expert_params(model), _tp_split(model)
+    experts, tp_split = _expert_params(model), split_parameters(model)
+    wrapped = ParallelOptions(param_dtype=options.get("param_dtype"), cpu_offload=bool(options.get("cpu_offload"))
+                              ).fsdp_applies(dims)  # FSDP reduce-scatters every gradient to its parameter's shards
+    whole_grads = whole_gradients(model) if dims.tp > 1 and not wrapped else set()
     fsdp = dims.fsdp_enabled
     dense_shards = dims.dp_shard * dims.cp if fsdp else 1
-    expert_shards = dims.ep * (dims.ep_shard if fsdp else 1)
+    # split over ep, FSDP shards them over the rest of the expert region; without ep, they are dense parameters
+    expert_shards = dims.ep * (dims.ep_shard if fsdp else 1) if dims.ep > 1 else dense_shards
 
     def sharded(p: torch.Tensor) -> float:
         if id(p) in experts:
@@ -179,8 +182,9 @@ def estimate_memory(layout: RecipeLayout) -> list[RankMemory]:
         memory = RankMemory(kind=_kind(stage, pp))
         c = memory.components
         c["parameters"] = sum(sharded(p) * p.element_size() for p in params)
-        c["gradients"] = sum(sharded(p) * p.element_size() for p in trainable)
-        c["optimizer states"] = 2 * c["gradients"]
+        c["gradients"] = sum((p.numel() if id(p) in whole_grads else sharded(p)) * p.element_size()
+                             for p in trainable)
+        c["optimizer states"] = 2 * sum(sharded(p) * p.element_size() for p in trainable)
         if fsdp:
             def unit_bytes(unit: str, dtype: torch.dtype | None) -> float:
                 return sum(unsharded(p) * (dtype.itemsize if dtype else p.element_size()) for p in units[unit])

@@ -6,7 +6,6 @@ set up, and the model's configuration is read from the recipe, a checkpoint dire
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import yaml
 
 from lightning_moe.models.config import ModelConfig
+from lightning_moe.row_length import row_length
 
 
 @dataclass
@@ -98,13 +98,12 @@ def _data_sizes(data: dict) -> tuple[int, int]:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
     resolved = parser.parse_object({"data": data}).data
-    cls = _import(resolved.class_path)
-    defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items()}
-    args = {**defaults, **dict(resolved.init_args)}
-    seq = args.get("seq_length") or args.get("packed_sequence_size") or args.get("max_length")
-    if not seq or seq is inspect.Parameter.empty:
-        raise ValueError(f"data ({resolved.class_path}): no seq_length / packed_sequence_size to estimate at")
-    return int(args.get("micro_batch_size") or 1), int(seq)
+    module = _import(resolved.class_path)(**dict(resolved.init_args))
+    rows = row_length(module)
+    if rows is None:
+        raise ValueError(f"data ({resolved.class_path}): no row length (seq_length / packed_sequence_size) to "
+                         f"estimate at")
+    return int(getattr(module, "micro_batch_size", 1) or 1), rows.tokens
 
 
 def _import(path: str):

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 BLOCK_SYMBOLS = {"*": "attention", "M": "mamba", "G": "gated_deltanet", "K": "kda", "-": "mlp", "E": "moe"}
+# the sub-config each symbol's blocks read (attention's is always set); the blocks themselves: models/blocks.py
+BLOCK_CONFIG_KEYS = {"-": "mlp", "E": "moe", "M": "mamba", "G": "linear_attention", "K": "linear_attention"}
 
 
 @dataclass
@@ -273,10 +275,8 @@ class ModelConfig:
                     f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
                 )
         used = "".join(patterns.values())
-        needs = {"-": ("mlp", self.mlp), "E": ("moe", self.moe), "M": ("mamba", self.mamba),
-                 "G": ("linear_attention", self.linear_attention), "K": ("linear_attention", self.linear_attention)}
-        for symbol, (key, sub) in needs.items():
-            if symbol in used and sub is None:
+        for symbol, key in BLOCK_CONFIG_KEYS.items():
+            if symbol in used and getattr(self, key) is None:
                 where = "pattern" if symbol in self.pattern else "mtp.pattern"
                 raise ValueError(f"ModelConfig.{where} contains {symbol!r} but ModelConfig.{key} is not set")
         att = self.attention

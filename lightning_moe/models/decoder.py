@@ -11,14 +11,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_moe.models.blocks import BlockKind, pattern_kinds
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.layers.attention import Attention
-from lightning_moe.models.layers.gated_deltanet import GatedDeltaNet
-from lightning_moe.models.layers.kda import KimiDeltaAttention
 from lightning_moe.models.layers.loss import OutputLayer
-from lightning_moe.models.layers.mamba2 import Mamba2Mixer
-from lightning_moe.models.layers.mla import MLA
-from lightning_moe.models.layers.mlp import MLP
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import MultiTokenPrediction
 from lightning_moe.models.layers.norm import RMSNorm
@@ -38,46 +33,17 @@ class LossOutput:
     mtp_label_tokens: list[torch.Tensor] = field(default_factory=list)
 
 
-def build_mixer(symbol: str, cfg: ModelConfig, attention_index: int) -> nn.Module:
-    """The module behind one pattern symbol."""
-    if symbol == "*":
-        att = cfg.attention_for(attention_index)
-        if att.type == "mla":
-            cls = MLA
-        else:
-            cls = Attention
-        # the qk-norms follow the decoder's norms (1 + weight under norm_offset)
-        extra = {"norm_offset": True} if cfg.norm_offset and cls is Attention else {}
-        return cls(att, cfg.hidden_size, cfg.max_position_embeddings, cfg.norm_eps,
-                   cfg.attention.window_for(attention_index), **extra)
-    if symbol == "M":
-        return Mamba2Mixer(cfg.mamba, cfg.hidden_size)
-    if symbol == "G":
-        return GatedDeltaNet(cfg.linear_attention, cfg.hidden_size)
-    if symbol == "K":
-        return KimiDeltaAttention(cfg.linear_attention, cfg.hidden_size)
-    if symbol == "-":
-        return MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.mlp.bias)
-    if symbol == "E":
-        return MoE(cfg.moe, cfg.hidden_size)
-    raise ValueError(f"unknown block symbol {symbol!r}")
-
-
-BLOCK_ATTRIBUTE = {"*": "attn", "M": "mamba", "G": "gdn", "K": "kda", "-": "mlp", "E": "moe"}
-SEQUENCE_MIXERS = "*MGK"
-
-
 class Block(nn.Module):
-    """``x + op(norm(x))`` where op is attention, Mamba-2, Gated DeltaNet, KDA, MLP or MoE. The op's attribute
-    name says which."""
+    """``x + op(norm(x))`` where op is attention, Mamba-2, Gated DeltaNet, KDA, MLP or MoE: ``kind`` is its record
+    (``models/blocks.py``), whose attribute name the op takes."""
 
-    def __init__(self, symbol: str, cfg: ModelConfig, attention_index: int = 0) -> None:
+    def __init__(self, kind: BlockKind, cfg: ModelConfig, attention_index: int) -> None:
         super().__init__()
-        self.symbol = symbol
+        self.kind, self.symbol = kind, kind.symbol
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_weight_fp32, cfg.norm_offset)
-        self.op_name = BLOCK_ATTRIBUTE[symbol]
-        self.add_module(self.op_name, build_mixer(symbol, cfg, attention_index))
-        self.mixes_sequence = symbol in SEQUENCE_MIXERS
+        self.op_name = self.kind.attribute
+        self.add_module(self.op_name, self.kind.build(cfg, attention_index))
+        self.mixes_sequence = self.kind.mixes_sequence
 
     @property
     def op(self) -> nn.Module:
@@ -91,16 +57,16 @@ class Block(nn.Module):
 def build_blocks(pattern: str, cfg: ModelConfig, first_attention_index: int = 0) -> nn.ModuleDict:
     """One block per symbol; attention blocks are numbered from ``first_attention_index`` (the MTP pattern's
     after the backbone's), which picks their window and settings."""
-    blocks, attention_index = {}, first_attention_index
-    for i, symbol in enumerate(pattern):
-        blocks[str(i)] = Block(symbol, cfg, attention_index)
-        attention_index += symbol == "*"
-    return nn.ModuleDict(blocks)
+    return nn.ModuleDict({str(i): Block(kind, cfg, attention_index)
+                          for i, (kind, attention_index) in enumerate(pattern_kinds(cfg, pattern, first_attention_index))})
 
 
 class Decoder(nn.Module):
     """``forward(input_ids, position_ids=None)`` -> logits [batch, seq, vocab];
     ``forward(input_ids, position_ids, labels=labels)`` -> :class:`LossOutput` (fused, chunked output layer)."""
+
+    # checkpoint tensors of the model that other pipeline ranks hold (a pipelined model's, parallel/pipeline_stages.py)
+    held_elsewhere: frozenset[str] = frozenset()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -170,9 +136,14 @@ class Decoder(nn.Module):
         return out
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        losses = []
-        for moe in self.moe_layers():
-            if moe.aux_loss is not None:
-                losses.append(moe.aux_loss)
-                moe.aux_loss = None
-        return torch.stack(losses).sum() if losses else None
+        return collect_aux_loss(self.moe_layers())
+
+
+def collect_aux_loss(moe_layers: list[MoE]) -> torch.Tensor | None:
+    """The sum of the load-balancing losses the MoE layers' last forwards left (then cleared), or None."""
+    losses = []
+    for moe in moe_layers:
+        if moe.aux_loss is not None:
+            losses.append(moe.aux_loss)
+            moe.aux_loss = None
+    return torch.stack(losses).sum() if losses else None

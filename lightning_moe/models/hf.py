@@ -22,7 +22,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.files import HF_CONFIG, read_json
+from lightning_moe.dtypes import FLOAT_DTYPES
+from lightning_moe.io.files import HF_CONFIG, read_json
+from lightning_moe.models.build import build_model
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.converters import apply_converters
 from lightning_moe.models.decoder import LossOutput
@@ -37,7 +39,6 @@ from lightning_moe.models.layers.loss import (
     linear_cross_entropy,
     vocab_parallel_loss,
 )
-from lightning_moe.models.lora_init import reset_lora_parameters
 
 TASKS = ("causal-lm", "image-text-to-text")
 # config keys of heads that transform logits after the output GEMM (softcapping, scaling): those models
@@ -46,7 +47,6 @@ LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_softcapping", "logits_
                         "output_multiplier", "lm_head_multiplier")
 # layer types whose mixing respects packed-sequence boundaries through the attention mask
 MASKED_ATTENTION_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # layers whose output at a token depends on a state carried from earlier tokens (linear attention, Mamba), by class
 SEQUENCE_STATE_CLASSES = re.compile(r"(Mamba\d?Mixer|GatedDeltaNet|DeltaAttention|LightningAttention)$")
 SEQUENCE_STATE_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "lightning_attention")
@@ -103,14 +103,14 @@ class HFModelConfig:
             raise ValueError(f"model.mtp_shared_depths={self.mtp_shared_depths} must be >= 1 (or null)")
         if self.native not in ("auto", "always", "never"):
             raise ValueError(f"model.native={self.native!r} must be auto, always or never")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype={self.dtype!r} must be one of {sorted(DTYPES)} (or null for float32)")
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r} must be one of {sorted(FLOAT_DTYPES)} (or null for float32)")
         if self.bias_update_rate < 0:
             raise ValueError(f"model.bias_update_rate={self.bias_update_rate} must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype or "float32"]
+        return FLOAT_DTYPES[self.dtype or "float32"]
 
 
 # ---------------------------------------------------------------------------------------------- locating
@@ -330,6 +330,8 @@ class HFModel(nn.Module):
     """
 
     mtp = None  # no multi-token-prediction heads: parallelism helpers look for them
+    # checkpoint tensors of the model that other pipeline ranks hold (a pipelined model's, parallel/pipeline_stages.py)
+    held_elsewhere: frozenset[str] = frozenset()
 
     def __init__(self, hf_model: nn.Module, loss_chunk_size: int = 1024) -> None:
         super().__init__()
@@ -461,26 +463,24 @@ def build_hf_model(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> HFModel:
-    """Meta construction -> ``convert`` (LoRA/FP8, on meta) -> ``parallelize`` (sharding) -> materialize on
-    ``device`` -> the checkpoint's weights, each rank only its shards; adapters start from ``seed``."""
+    """``build_model`` of the transformers model of ``cfg``: ``convert`` (LoRA/FP8, on meta), ``parallelize``
+    (sharding; a pipeline's split returns the parts this rank's stages hold, ``parallel/pipeline_hf.py``), the
+    checkpoint's weights, each rank only its shards; adapters start from ``seed``."""
     directory = resolve_model_dir(cfg)
-    model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
-    if cfg.force_balanced:
-        force_balanced_routing(model.hf)
-    if cfg.bias_update_rate:  # counts the routing that runs, so after the balanced-routing hook
-        track_expert_load(model.hf, cfg.bias_update_rate)
-    if convert is not None:
-        convert(model)
-    if parallelize is not None:
-        # a pipeline's split returns the parts of the model this rank's stages hold (parallel/pipeline_hf.py)
-        split = parallelize(model)
-        model = split if isinstance(split, HFModel) else model
-    materialize_with_buffers(model, device)
-    load_hf_weights(model.hf, directory, elsewhere=getattr(model, "held_elsewhere", frozenset()))
-    if any(".lora_" in name for name, _ in model.named_parameters()):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            reset_lora_parameters(model)
+
+    def construct() -> HFModel:
+        model = HFModel(construct_hf_model(cfg, directory, task), cfg.loss_chunk_size)
+        if cfg.force_balanced:
+            force_balanced_routing(model.hf)
+        if cfg.bias_update_rate:  # counts the routing that runs, so after the balanced-routing hook
+            track_expert_load(model.hf, cfg.bias_update_rate)
+        return model
+
+    def load(model: HFModel) -> None:
+        load_hf_weights(model.hf, directory, elsewhere=model.held_elsewhere)
+
+    model = build_model(construct, materialize=materialize_with_buffers, device=device, seed=seed, convert=convert,
+                        parallelize=parallelize, load=load)
     model.model_dir = directory
     return model
 

@@ -104,6 +104,11 @@ def track_expert_load(hf_model: nn.Module, rate: float) -> None:
         experts._expert_load = load
 
 
+def expert_load_rate(hf_model: nn.Module) -> float:
+    """The ``bias_update_rate`` :func:`track_expert_load` counts loads for (0 when it counts none)."""
+    return next((m._expert_load.rate for m in hf_model.modules() if hasattr(m, "_expert_load")), 0.0)
+
+
 def _add_to_local(bias: torch.Tensor, delta: torch.Tensor) -> None:
     """``bias += delta`` where ``bias`` may be an FSDP-sharded DTensor (Laguna keeps its bias as a frozen
     parameter): each rank adds its own slice of the full ``delta``."""

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_moe.models.block_flops import Sequences
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.fake_tensors import BalancedShapes, fake_model
 from lightning_moe.models.families import family_for_hf_config
-from lightning_moe.models.flops import Sequences
 
 COUNTED_EXPERTS_IMPLEMENTATION = "batched_mm"
 

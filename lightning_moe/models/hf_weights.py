@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.weights import copy_tensors_into
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.source import open_checkpoint
 from lightning_moe.data.tokenizer import load_tokenizer, tokenizer_files
+from lightning_moe.models.build import build_model, to_empty
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -47,6 +48,7 @@ from lightning_moe.models.hf import (
 from lightning_moe.models.hf_experts import update_correction_biases
 from lightning_moe.models.hf_form import native_as_transformers
 from lightning_moe.models.layers.moe import MoE, update_expert_bias
+from lightning_moe.modules.clipping import clip_gradients
 from lightning_moe.modules.optim import (
     OptimizerConfig,
     SchedulerConfig,
@@ -55,8 +57,6 @@ from lightning_moe.modules.optim import (
     check_finite,
 )
 from lightning_moe.modules.pipeline_step import (
-    build_pipelined_decoder,
-    build_pipelined_hf_model,
     pipelined_eval_step,
     pipelined_training_step,
 )
@@ -67,7 +67,6 @@ from lightning_moe.peft import (
     keep_checkpoints_adapter_only,
     load_hf_adapter,
     merged_state_dict,
-    reset_lora_parameters,
 )
 from lightning_moe.precision import Float8Config
 from lightning_moe.precision.fp8 import precompute_fsdp_float8_scales
@@ -83,23 +82,23 @@ warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\
 def build_decoder(config: ModelConfig, *, seed: int = 0, source=None, parallelize=None,
                   device: torch.device | str = "cpu", fp8: Float8Config | None = None,
                   peft: LoraConfig | None = None, freeze: list[str] | None = None) -> Decoder:
-    """Meta-device construction -> converters (FP8, LoRA, freezing) -> ``parallelize`` (sharding) -> materialize
-    on ``device`` -> initialize with ``seed`` -> copy the checkpoint's weights (each rank only its shards) when
-    ``source`` is given -> the starting adapter, if any."""
-    with torch.device("meta"):
-        model = Decoder(config)
-    apply_converters(model, fp8, peft, freeze)
-    if parallelize is not None:
-        parallelize(model)
-    model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights(seed)
-        if peft is not None:
-            reset_lora_parameters(model)
-    if source is not None:
-        copy_tensors_into(model, source.iter_native())
+    """``build_model`` of a ``Decoder``: converters (FP8, LoRA, freezing), ``parallelize``, initialization from
+    ``seed``, the weights of ``source`` (a checkpoint; each rank only its shards) when given; then the starting
+    adapter, if any."""
+    def construct() -> Decoder:
+        with torch.device("meta"):
+            return Decoder(config)
+
+    model = build_model(
+        construct, materialize=to_empty, device=device, seed=seed,
+        convert=lambda m: apply_converters(m, fp8, peft, freeze), parallelize=parallelize,
+        initialize=lambda m: m.init_weights(seed),
+        load=None if source is None else lambda m: copy_tensors_into(
+            m, ((name, t) for name, t in source.iter_native() if name not in m.held_elsewhere)),
+    )
     if peft is not None and peft.adapter_path is not None:
+        if model.held_elsewhere:
+            raise ValueError("peft.adapter_path with pp > 1: starting adapters are read into unpipelined models only")
         load_hf_adapter(model, Path(peft.adapter_path).expanduser(), hf_config=getattr(source, "hf_config", None))
     return model
 
@@ -159,7 +158,7 @@ class CausalLM(L.LightningModule):
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
-        self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
+        self._pipeline = None  # the runner of the stages under pipeline parallelism (the strategy's)
         self.step_stats: StepStats | None = None
         self._source = None
         self._native_settings: HFModelConfig | None = None  # an HFModelConfig routed to the native path
@@ -188,13 +187,17 @@ class CausalLM(L.LightningModule):
             refuse_native_settings(self.model_config)
 
     def resolved_config(self) -> ModelConfig:
+        """The native model's config: ``model``, or the checkpoint's, with this module's ``mtp_loss_scale``."""
         self._route_hf()
         source = self._checkpoint()
-        if self.model_config is None:
+        config = self.model_config
+        if config is None:
+            config = source.config
             if self._native_settings is not None:
-                apply_native_settings(self._native_settings, source.config, f"the checkpoint {self.pretrained}")
-            return source.config
-        return self.model_config
+                apply_native_settings(self._native_settings, config, f"the checkpoint {self.pretrained}")
+        if self.mtp_loss_scale is not None and config.mtp is not None:
+            config = dataclasses.replace(config, mtp=dataclasses.replace(config.mtp, loss_scale=self.mtp_loss_scale))
+        return config
 
     def setup(self, stage: str) -> None:
         self.seed = seed_in_force(self.own_seed, DEFAULT_SEED, self.trainer)
@@ -208,27 +211,15 @@ class CausalLM(L.LightningModule):
         strategy = self.trainer.strategy
         self._route_hf()
         if isinstance(self.model_config, HFModelConfig):
-            if getattr(strategy, "pipeline_parallel", False):
-                self._check_hf_adapters()
-                self.model, self._pipeline = build_pipelined_hf_model(
-                    self.model_config, strategy=strategy, seed=self.seed, task=self.hf_task,
-                    convert=hf_converters(self.fp8, self.peft, self.freeze),
-                )
-                return
             self.model = self._build_hf(strategy)
-            return
-        if getattr(strategy, "pipeline_parallel", False):
-            config = self.resolved_config()
-            self.model, self._pipeline = build_pipelined_decoder(
-                config, strategy=strategy, seed=self.seed, source=self._checkpoint(), fp8=self.fp8, peft=self.peft,
-                freeze=self.freeze, mtp_scale=self._mtp_scale(config),
+        else:
+            self.model = build_decoder(
+                self.resolved_config(), seed=self.seed, source=self._checkpoint(),
+                parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
+                fp8=self.fp8, peft=self.peft, freeze=self.freeze,
             )
-            return
-        self.model = build_decoder(
-            self.resolved_config(), seed=self.seed, source=self._checkpoint(),
-            parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
-            fp8=self.fp8, peft=self.peft, freeze=self.freeze,
-        )
+        # under a pipeline the strategy split the model into stages and keeps their runner
+        self._pipeline = getattr(strategy, "pipeline", None)
 
     def on_fit_start(self) -> None:
         # token ids past the embedding end in an IndexError deep in the first step; name them now
@@ -279,10 +270,11 @@ class CausalLM(L.LightningModule):
         out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
         return out, batch["input_ids"].numel()
 
-    def _mtp_scale(self, config: ModelConfig | None = None) -> float:
+    def _mtp_scale(self) -> float:
+        """The weight of the MTP loss (``mtp_loss_scale``, or the model's ``mtp.loss_scale``)."""
         if self.mtp_loss_scale is not None:
             return self.mtp_loss_scale
-        mtp = (config or self.model.config).mtp
+        mtp = self.model.config.mtp
         return mtp.loss_scale if mtp is not None else 0.0
 
     @staticmethod
@@ -344,18 +336,7 @@ class CausalLM(L.LightningModule):
         )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        if gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: only 'norm' is supported")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return
-        max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
-        clip = getattr(self.trainer.strategy, "clip_grad_norm", None)
-        norm = clip(params, max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(params, max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        self.log("train/grad_norm", norm, rank_zero_only=True)
-        if self.step_stats is not None:
-            self.step_stats.grad_norm = norm
+        clip_gradients(self, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)

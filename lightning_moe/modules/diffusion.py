@@ -47,7 +47,7 @@ from lightning_moe.models.diffusion.flow_matching import (
     sample_generator,
 )
 from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
-from lightning_moe.modules.causal_lm import CausalLM
+from lightning_moe.modules.clipping import clip_gradients
 from lightning_moe.modules.optim import OptimizerConfig, SchedulerConfig, build_adamw, build_scheduler
 from lightning_moe.modules.step_stats import StepStats
 from lightning_moe.peft import LoraConfig, keep_checkpoints_adapter_only
@@ -261,8 +261,7 @@ class DiffusionModule(L.LightningModule):
                                     skipped=not grads)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        # the language models' clipping (by total norm over any mix of meshes; logged, reported in StepStats)
-        CausalLM.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_gradients(self, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         optimizer = build_adamw(self.model, self.optimizer_config)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.run import read_run_checkpoint
+from lightning_moe.io.run import read_run_checkpoint
 
 
 def instantiate_from_hparams(cls: type, hparams: dict[str, Any], where: object) -> Any:

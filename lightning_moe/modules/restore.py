@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_moe.checkpoint.load import load_pretrained as load_native
-from lightning_moe.checkpoint.run import is_run_checkpoint, read_run_checkpoint
+from lightning_moe.io.run import is_run_checkpoint, read_run_checkpoint
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.load_back import instantiate_from_hparams
 from lightning_moe.modules.vision_lm import VisionLM

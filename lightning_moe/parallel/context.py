@@ -153,9 +153,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh, mixer_mesh=None) -> None:
     if getattr(model, "mtp", None) is not None:
         blocks += [block for depth in model.mtp.depths for block in depth.layers.values()]
     for block in blocks:
-        if block.symbol in "*MGK":
+        if block.kind.context is not None:
             block.op.register_forward_pre_hook(attach)
-        if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: heads over the whole row
+        if block.kind.context == "trade_heads":  # Mamba-2, Gated DeltaNet, KDA: heads over the whole row
             block.op.forward = heads_over_whole_rows(block.op, mixer_group, _gathered_row)
 
 

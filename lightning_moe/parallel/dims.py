@@ -30,19 +30,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_moe.parallel.splits import check_head_split, divisors
+from lightning_moe.models.blocks import model_kinds
+from lightning_moe.models.splits import check_head_split, divisors
+from lightning_moe.row_length import row_length
 
 SIZE_NAMES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_SIZE_NAMES = ("pp", *SIZE_NAMES)  # every size ParallelDims takes
-
-
-def check_linear_attention_split(config, pattern: str, size: int, name: str) -> None:
-    """Gated DeltaNet / KDA blocks under ``name`` (cp or tp) trade tokens for whole (key) heads."""
-    la = config.linear_attention
-    if "G" in pattern:
-        check_head_split(la.num_k_heads, size, name, "linear_attention.num_k_heads", "whole key heads")
-    if "K" in pattern:
-        check_head_split(la.num_v_heads, size, name, "linear_attention.num_v_heads", "whole heads")
 
 
 @dataclass
@@ -121,68 +114,37 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ checks against a model and data
     def check_model(self, config) -> None:
-        """Raise a one-line message when the model cannot be split with these sizes."""
-        att = config.attention
-        pattern = config.pattern + (config.mtp.pattern if config.mtp is not None and config.mtp.num_layers else "")
-        has_attention = "*" in pattern
+        """Raise a one-line message when the model cannot be split with these sizes: each block kind's own
+        checks (``models/blocks.py``), then the vocabulary and the experts."""
+        kinds = model_kinds(config)
+        if self.tp > 1 and config.te_modules:
+            # TE's layers split themselves (their tp_group and sequence_parallel arguments), which torch's
+            # tensor-parallel styles do not drive: they would run whole on every rank
+            raise ValueError(f"tp={self.tp}: model.te_modules: true is not split by tensor parallelism "
+                             f"(Transformer Engine's layers shard through their own tp_group); use "
+                             f"te_modules: false with tp > 1, or tp=1")
+        # Mamba-2 / Gated DeltaNet / KDA trade tokens for heads over the tp, cp x tp and cp ranks
+        trades = [("tp", self.tp), ("cp*tp", self.cp * self.tp if self.cp > 1 and self.tp > 1 else 1), ("cp", self.cp)]
+        for name, size in trades:
+            for kind in kinds:
+                if size > 1 and kind.traded_heads is not None:
+                    key, count, unit = kind.traded_heads(config)
+                    check_head_split(count, size, name, key, unit)
         if self.tp > 1:
-            if config.te_modules:
-                # TE's layers split themselves (their tp_group and sequence_parallel arguments), which torch's
-                # tensor-parallel styles do not drive: they would run whole on every rank
-                raise ValueError(f"tp={self.tp}: model.te_modules: true is not split by tensor parallelism "
-                                 f"(Transformer Engine's layers shard through their own tp_group); use "
-                                 f"te_modules: false with tp > 1, or tp=1")
-            check_linear_attention_split(config, pattern, self.tp, "tp")
-            if "M" in pattern:
-                check_head_split(config.mamba.n_groups, self.tp, "tp")
-            if self.cp > 1:
-                # Mamba-2 / Gated DeltaNet / KDA trade tokens for heads over the cp x tp ranks at once
-                check_linear_attention_split(config, pattern, self.cp * self.tp, "cp*tp")
-                if "M" in pattern:
-                    check_head_split(config.mamba.n_groups, self.cp * self.tp, "cp*tp")
-            if has_attention and att.type == "mla" and att.out_bias:
-                raise ValueError(f"tp={self.tp}: tensor parallelism of MLA with attention.out_bias is not supported; "
-                                 f"use tp=1")
-            if has_attention:
-                counts = [("num_heads", att.num_heads)]
-                if att.type == "gqa":
-                    counts.append(("num_kv_heads", att.num_kv_heads))
-                if config.sliding_attention is not None:
-                    counts += [(f"sliding_attention.{key}", getattr(config.sliding_attention, key))
-                               for key in ("num_heads", "num_kv_heads")]
-                heads = math.gcd(*(value for _, value in counts))
-                for key, value in counts:
-                    if value % self.tp:
-                        raise ValueError(
-                            f"tp={self.tp} does not divide {key}={value}; use tp in {divisors(heads)}"
-                        )
-            moe = config.moe
-            if "E" in pattern and moe is not None and moe.num_shared_experts and moe.shared_size % self.tp:
-                raise ValueError(
-                    f"tp={self.tp} does not divide the shared experts' intermediate size {moe.shared_size} "
-                    f"(moe.shared_intermediate_size); use tp in {divisors(moe.shared_size)}"
-                )
-            if "-" in pattern and config.mlp.intermediate_size % self.tp:
-                raise ValueError(
-                    f"tp={self.tp} does not divide mlp.intermediate_size={config.mlp.intermediate_size}; "
-                    f"use tp in {divisors(config.mlp.intermediate_size)}"
-                )
+            for kind in kinds:
+                if kind.check_tensor_split is not None:
+                    kind.check_tensor_split(config, self.tp)
             if config.vocab_size % self.tp:
                 raise ValueError(
                     f"tp={self.tp} does not divide vocab_size={config.vocab_size}; pad the vocabulary or use tp in "
                     f"{divisors(config.vocab_size)}"
                 )
         if self.cp > 1:
-            check_linear_attention_split(config, pattern, self.cp, "cp")
-            if "M" in pattern:
-                check_head_split(config.mamba.n_groups, self.cp, "cp")
-            if has_attention and att.backend not in ("sdpa", "flex"):
-                raise ValueError(
-                    f"cp={self.cp}: attention backend {att.backend!r} is not supported with context parallelism; "
-                    f"use backend sdpa or flex"
-                )
+            for kind in kinds:
+                if kind.check_context_split is not None:
+                    kind.check_context_split(config, self.cp)
         if self.ep > 1:
-            if config.moe is None or "E" not in pattern:
+            if not any(kind.experts for kind in kinds):
                 raise ValueError(f"ep={self.ep} but the model has no MoE layers; use ep=1")
             experts = config.moe.num_experts
             if experts % self.ep:
@@ -203,21 +165,21 @@ class ParallelDims:
             )
 
     def check_data_module(self, data) -> None:
-        """A data module's row length (``seq_length``, ``packed_sequence_size``, or ``pad_seq_to_mult`` for
-        unpacked rows) must split into the context- and sequence-parallel shards."""
+        """A data module's rows (``lightning_moe/row_length.py``) must split into the context- and
+        sequence-parallel shards."""
+        rows = row_length(data)
+        if rows is None:
+            return
         multiple = self.sequence_multiple()
-        if getattr(data, "packing", None) == "none" and getattr(data, "pad_seq_to_mult", None) is not None:
-            if data.pad_seq_to_mult % multiple:
+        if rows.multiple is not None:
+            if rows.multiple % multiple:
                 raise ValueError(
-                    f"{type(data).__name__}.pad_seq_to_mult={data.pad_seq_to_mult}: unpacked rows must be padded to "
+                    f"{type(data).__name__}.pad_seq_to_mult={rows.multiple}: unpacked rows must be padded to "
                     f"a multiple of {multiple} with cp={self.cp}, tp={self.tp}; set pad_seq_to_mult to a multiple "
                     f"of {multiple}"
                 )
             return
-        for key in ("seq_length", "packed_sequence_size"):
-            value = getattr(data, key, None)
-            if isinstance(value, int):
-                self.check_seq_length(value, f"{type(data).__name__}.{key}")
+        self.check_seq_length(rows.tokens, f"{type(data).__name__}.{rows.key}")
 
     # ------------------------------------------------------------------ meshes
     def build_meshes(self, device_type: str) -> None:

@@ -15,22 +15,20 @@ the last micro-batch of a step (the reduce-scatter inside a replica still runs o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import repeated_blocks
-from lightning_moe.parallel.compile import checkpoint_and_compile
-from lightning_moe.parallel.hf_expert import SPLIT_MARK
 
 
 def apply_fsdp(
     model: nn.Module,
     mesh,
     expert_mesh=None,
+    split_experts: Callable[[nn.Module], list[nn.Module]] | None = None,
     *,
     gradient_divide_factor: int = 1,
     param_dtype: torch.dtype | None = None,
@@ -38,9 +36,10 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> None:
-    """Shard ``model`` (a Decoder) over ``mesh`` (1-D FSDP or 2-D ``(replicate, shard)`` HSDP).
+    """Shard ``model`` (its repeated blocks, then the root) over ``mesh`` (1-D FSDP or 2-D ``(replicate, shard)`` HSDP).
 
-    ``expert_mesh``: where the experts of MoE layers are sharded when expert parallelism split them;
+    ``expert_mesh``: where the experts that expert parallelism split (``split_experts(block)``, the model kind's)
+    are sharded;
     ``gradient_divide_factor``: the ``dp x cp`` size their gradient sums are divided by.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -64,36 +63,6 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, **{**options, "reshard_after_forward": False})
     model.register_forward_hook(_reshard_without_backward)
 
-
-
-def split_experts(unit: nn.Module) -> list[nn.Module]:
-    """The experts modules of ``unit`` that expert parallelism split: the native MoE layers' and transformers'
-    standardized ones (marked by ``parallel/hf_expert.py``)."""
-    return [m.experts if isinstance(m, MoE) else m for m in unit.modules()
-            if isinstance(m, MoE) or getattr(m, SPLIT_MARK, False)]
-
-
-def fsdp_applies(dims, param_dtype: torch.dtype | str | None, cpu_offload: bool) -> bool:
-    """Whether FSDP wraps the model: over data-parallel ranks, and also on one rank when a mixed-precision or
-    offload policy is asked for (FSDP is what carries them)."""
-    return dims.fsdp_enabled or param_dtype is not None or cpu_offload
-
-
-def checkpoint_compile_and_shard(model: nn.Module, dims, *, activation_checkpointing: str = "none",
-                                 activation_checkpointing_every: int = 1, compile: bool = False,
-                                 compile_backend: str = "inductor", param_dtype: torch.dtype | None = None,
-                                 reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False,
-                                 reshard_after_forward: bool = True) -> None:
-    """The steps after model parallelism for a model whose blocks are ``model.layers``: activation checkpointing
-    and compile per block, then FSDP2/HSDP over the data-parallel mesh of ``dims`` (also on one rank when a
-    mixed-precision or offload policy is asked for), experts split by expert parallelism over ``expert_fsdp``."""
-    checkpoint_and_compile(model, activation_checkpointing, activation_checkpointing_every, compile, compile_backend)
-    if fsdp_applies(dims, param_dtype, cpu_offload):
-        apply_fsdp(
-            model, dims.mesh("fsdp"), dims.mesh("expert_fsdp") if dims.ep > 1 else None,
-            gradient_divide_factor=dims.dp_cp_size, param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
-        )
 
 def _reshard_without_backward(model, args, output):
     # after a forward without autograd (validation) no backward reshards the root: left gathered, the module

@@ -1,4 +1,4 @@
-"""``parallelize_hf``: the package's parallelism applied to a transformers model (``models/hf.py``'s ``HFModel``).
+"""A transformers model (``models/hf.py``'s ``HFModel``) as a model kind (``parallel/model_kind.py``).
 
 Tensor parallelism follows the model's own ``tp_plan`` with transformers' DTensor styles (column-wise and
 row-wise linears, vocabulary-split embedding and output layer, per-head norms whose gradients are summed);
@@ -10,31 +10,33 @@ projector); under tensor parallelism FSDP shards the tensor-parallel DTensors ov
 (2-D). Expert parallelism splits transformers' standardized experts modules (``parallel/hf_expert.py``).
 Context parallelism switches the model's attention to the package's context-parallel attention
 (``parallel/hf_context.py``); the strategy splits the batch along the sequence as for native decoders.
-Refused before anything is built: context parallelism of models whose layers carry a state along the sequence
-(linear attention, Mamba, short convolutions) or together with tensor parallelism, expert parallelism of other
-experts modules or together with tensor parallelism, and plans with styles whose weights are not plain row or
-column slices (packed or expert layouts).
+Refused before anything is built: the combinations of :data:`TRANSFORMERS`'s refusals, context parallelism of
+models whose layers carry a state along the sequence (linear attention, Mamba, short convolutions), expert
+parallelism of other experts modules, and plans with styles whose weights are not plain row or column slices
+(packed or expert layouts).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from lightning_moe.models.hf import sequence_state_layers
-from lightning_moe.parallel.compile import check_compile
+from lightning_moe.models.hf_experts import standardized_experts
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.hf_context import apply_hf_context_parallel, check_hf_context_parallel
 from lightning_moe.parallel.hf_expert import apply_hf_expert_parallel, check_hf_expert_parallel
+from lightning_moe.parallel.model_kind import Refusal, refuse_unsupported
+from lightning_moe.parallel.options import ParallelOptions
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
 # them by DTensor placement) and whose gradients come out complete
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce")
 
 
-def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
-    """Raise a one-line message for the parallel sizes the generic path does not support."""
+def check_hf_model(dims: ParallelDims, model: nn.Module, options: ParallelOptions | None = None) -> None:
+    """Raise a one-line message for the parallel sizes and options the generic path does not support."""
     name = type(model.hf).__name__
+    refuse_unsupported(TRANSFORMERS, name, dims, options or ParallelOptions())
     if dims.cp > 1 and isinstance(model.hf, nn.Module):  # a recipe check names the model only
         check_hf_context_parallel(model.hf, dims.cp)
         state = sequence_state_layers(model.hf)
@@ -45,15 +47,8 @@ def check_hf_model(dims: ParallelDims, model: nn.Module) -> None:
         if model.packing_limitation is not None:  # the same mixing along the sequence that packing cannot restart
             raise ValueError(f"cp={dims.cp}: {name} runs through transformers (model.hf), where context parallelism "
                              f"splits attention only, and {model.packing_limitation}; use cp=1")
-    if dims.cp > 1 and dims.tp > 1:
-        raise ValueError(f"cp={dims.cp} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
-                         f"tensor-parallel plan is not combined with context parallelism there; use tp=1 or cp=1")
-    if dims.ep > 1:
-        if dims.tp > 1:
-            raise ValueError(f"ep={dims.ep} with tp={dims.tp}: {name} runs through transformers (model.hf), whose "
-                             f"tensor-parallel plan is not combined with expert parallelism there; use tp=1 or ep=1")
-        if isinstance(model.hf, nn.Module):  # a recipe check names the model only
-            check_hf_expert_parallel(model.hf, dims.ep)
+    if dims.ep > 1 and isinstance(model.hf, nn.Module):  # a recipe check names the model only
+        check_hf_expert_parallel(model.hf, dims.ep)
     if dims.tp > 1:
         tensor_parallel_plan(model.hf, dims.tp)
     if not model.layers:
@@ -92,46 +87,41 @@ def tensor_parallel_plan(hf_model: nn.Module, tp: int) -> dict[str, str]:
     return expanded
 
 
-def parallelize_hf(
-    model: nn.Module,
-    dims: ParallelDims,
-    *,
-    activation_checkpointing: str = "none",
-    activation_checkpointing_every: int = 1,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
-    compile: bool = False,
-    compile_backend: str = "inductor",
-) -> nn.Module:
-    """Split ``model`` (an ``HFModel`` on the meta device, after converters) over the meshes of ``dims``; the
-    options mean what they mean for :func:`lightning_moe.parallel.parallelize`."""
-    check_hf_model(dims, model)
-    if compile:
-        check_compile(compile_backend)
-        if dims.tp > 1:
-            raise ValueError(f"compile=True with tp={dims.tp}: {type(model.hf).__name__} runs through transformers, "
-                             f"whose tensor-parallel plan is not tested compiled; use compile=False, or tp=1")
-        if dims.cp > 1:
-            raise ValueError(f"compile=True with cp={dims.cp}: {type(model.hf).__name__} runs through transformers, "
-                             f"whose context-parallel attention is not tested compiled; use compile=False, or cp=1")
-    if dims.tp > 1:
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-        apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
-        # sharding replaced the tied parameter in its first module only: tie the others to the sharded one again
-        model.hf.tie_weights(recompute_mapping=False)
-    if dims.ep > 1:
-        apply_hf_expert_parallel(model.hf, dims.mesh("ep"))
-    if dims.cp > 1:
-        apply_hf_context_parallel(model, dims.mesh("cp"))
-    from lightning_moe.parallel.fsdp import checkpoint_compile_and_shard
-
-    checkpoint_compile_and_shard(
-        model, dims, activation_checkpointing=activation_checkpointing,
-        activation_checkpointing_every=activation_checkpointing_every, compile=compile,
-        compile_backend=compile_backend, param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload,
-        reshard_after_forward=reshard_after_forward,
+class TransformersModel:
+    name = "transformers (model.hf)"
+    refusals = (
+        Refusal(("cp", "tp"), "whose tensor-parallel plan is not combined with context parallelism there"),
+        Refusal(("ep", "tp"), "whose tensor-parallel plan is not combined with expert parallelism there"),
+        Refusal(("compile", "tp"), "whose tensor-parallel plan is not tested compiled"),
+        Refusal(("compile", "cp"), "whose context-parallel attention is not tested compiled"),
+        Refusal(("pp", "cp"), "whose pipeline stages are not split by context parallelism there"),
+        Refusal(("pp", "tp"), "whose tensor-parallel plan names the whole model, not a pipeline stage"),
+        Refusal(("compile", "pp"), "whose pipeline stages are not tested compiled"),
     )
-    return model
+
+    def check(self, model: nn.Module, dims, options) -> None:
+        check_hf_model(dims, model, options)
+
+    def apply_model_parallel(self, model: nn.Module, dims, options) -> None:
+        if dims.tp > 1:
+            from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+            apply_tensor_parallelism(model.hf, dims.mesh("tp"), tensor_parallel_plan(model.hf, dims.tp))
+            # sharding replaced the tied parameter in its first module only: tie the others to the sharded one
+            model.hf.tie_weights(recompute_mapping=False)
+        if dims.ep > 1:
+            apply_hf_expert_parallel(model.hf, dims.mesh("ep"))
+        if dims.cp > 1:
+            apply_hf_context_parallel(model, dims.mesh("cp"))
+
+    def split_experts(self, unit: nn.Module) -> list[nn.Module]:
+        return [experts for _, experts in standardized_experts(unit)]
+
+    def checkpoint_outside(self, dims) -> bool:
+        return False
+
+    def without_fsdp(self, model: nn.Module, dims) -> None:
+        pass
+
+
+TRANSFORMERS = TransformersModel()

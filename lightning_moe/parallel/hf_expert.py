@@ -30,9 +30,6 @@ from lightning_moe.models.hf_experts import is_standardized_experts, standardize
 from lightning_moe.models.layers.moe import Routing, TokenDispatcher, grouped_mm
 from lightning_moe.parallel.expert import AllToAllDispatcher, shard_stacked_experts
 
-# set on an experts module this file split, so FSDP puts it on the expert mesh (parallel/fsdp.py)
-SPLIT_MARK = "expert_parallel_split"
-
 
 def other_expert_modules(hf_model: nn.Module) -> list[str]:
     """Class names of modules named ``experts`` that are not the standardized module (a ``ModuleList`` of
@@ -104,4 +101,3 @@ def apply_hf_expert_parallel(hf_model: nn.Module, ep_mesh,
         shard_stacked_experts(experts, ep_mesh, total)
         # an instance attribute: the class forward (transformers' implementation switch) stays for other models
         experts.forward = _expert_parallel_forward(experts, dispatcher(ep_mesh.get_group(), total // ranks), total)
-        setattr(experts, SPLIT_MARK, True)

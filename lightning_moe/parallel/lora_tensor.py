@@ -49,14 +49,20 @@ def _check_plain(lora: nn.Module) -> None:
                          f"supported (apply LoRA to plain linear layers, or use tp=1)")
 
 
-def _placement(style: str, part: str, leaf: str):
+def lora_placement(style: str, part: str, leaf: str):
+    """Where tensor parallelism puts parameter ``leaf`` of ``part`` of a linear split ``style``-wise."""
     if part == "base_layer" and leaf == "bias":
         return _PLACEMENTS[style]["base_bias"]
     return _PLACEMENTS[style][part]
 
 
-def _parts(lora: nn.Module):
-    """(part name, submodule) of a LoRA linear that own parameters: the base layer and every adapter's A and B."""
+def lora_parts(linear: nn.Module):
+    """(part name, submodule) of a linear that own parameters: the base layer and, for a LoRA linear, every
+    adapter's A and B (a plain linear is its own base layer)."""
+    if not is_lora_linear(linear):
+        yield "base_layer", linear
+        return
+    lora = linear
     yield "base_layer", lora.base_layer
     for part in ("lora_A", "lora_B"):
         for module in getattr(lora, part).values():
@@ -66,7 +72,7 @@ def _parts(lora: nn.Module):
 def _distribute(module: nn.Module, mesh, style: str, part: str) -> None:
     for leaf, param in list(module._parameters.items()):
         if param is not None:
-            tensor = distribute_tensor(param.detach(), mesh, [_placement(style, part, leaf)])
+            tensor = distribute_tensor(param.detach(), mesh, [lora_placement(style, part, leaf)])
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=param.requires_grad)
 
 
@@ -113,9 +119,9 @@ def shard_lora_locally(lora: nn.Module, mesh, style: str) -> None:
     if style == "rowwise" and lora.base_layer.bias is not None:
         raise ValueError("a row-wise split LoRA linear computing on local shards cannot have a bias (each rank "
                          "would add it); use a layer without bias or tp=1")
-    for part, module in _parts(lora):
+    for part, module in lora_parts(lora):
         leaves = [leaf for leaf, param in module._parameters.items() if param is not None]
         _distribute(module, mesh, style, part)
         for leaf in leaves:
-            replicated = _placement(style, part, leaf) == Replicate()
+            replicated = lora_placement(style, part, leaf) == Replicate()
             use_local_parameters(module, grad_placements=[Partial()] if replicated else None, names=[leaf])

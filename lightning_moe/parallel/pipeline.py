@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_moe.models.decoder import Decoder
-from lightning_moe.models.flops import BLOCK_FLOPS, Sequences, mtp_depths, pattern_flops
+from lightning_moe.models.block_flops import Sequences
+from lightning_moe.models.blocks import pattern_kinds
+from lightning_moe.models.decoder import Decoder, collect_aux_loss
+from lightning_moe.models.flops import mtp_depths, pattern_flops
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import ids_ahead
 from lightning_moe.models.layers.sequence import SequenceLayout
@@ -143,10 +145,8 @@ def part_costs(decoder: nn.Module, seq_len: int = 4096) -> tuple[list[float], fl
     parameters (what a stage must compute, and hold with its gradients and optimizer states)."""
     cfg = decoder.config
     seqs = Sequences.of_length(min(seq_len, cfg.max_position_embeddings))
-    flops, attention_index = [], 0
-    for symbol in cfg.pattern:
-        flops.append(BLOCK_FLOPS[symbol](cfg, seqs, attention_index).training() / seqs.tokens)
-        attention_index += symbol == "*"
+    flops = [kind.flops(cfg, seqs, attention_index).training() / seqs.tokens
+             for kind, attention_index in pattern_kinds(cfg, cfg.pattern)]
     output_flops = 6.0 * cfg.hidden_size * cfg.vocab_size
     for _ in range(mtp_depths(cfg)):
         output_flops += 6.0 * (2 * cfg.hidden_size) * cfg.hidden_size + 6.0 * cfg.hidden_size * cfg.vocab_size
@@ -360,7 +360,7 @@ class StageModule(nn.Module):
         return objective
 
     def _collect_aux_loss(self) -> torch.Tensor | None:
-        return Decoder._collect_aux_loss(self)  # this stage's MoE layers (moe_layers), as the whole decoder's
+        return collect_aux_loss(self.moe_layers())  # this stage's MoE layers, as the whole decoder's
 
 
 def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
@@ -398,6 +398,10 @@ class PipelinedDecoder(nn.Module):
         self.mtp = decoder.mtp if last else None
         # a plain list: the stages share these modules, registering them twice would repeat every name
         self.stages = [StageModule(decoder, specs[i], mtp_scale) for i in local]
+        self.held_elsewhere: frozenset[str] = frozenset()  # set by the split (parallel/pipeline_stages.py)
+
+    # the decoder's layout-invariant initialization, over the parts this rank holds
+    init_weights = Decoder.init_weights
 
     def moe_layers(self) -> list[nn.Module]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -142,7 +142,7 @@ def hf_view(hf_model: nn.Module, layers: list[str], embedding: bool, output: boo
 
 class HFStage(HFModel):
     """One virtual stage of a transformers model, an ``HFModel`` over the stage's view (so that
-    ``parallelize_hf`` parallelizes it like a model: EP, AC, compile, FSDP with the stage as root).
+    ``parallelize`` parallelizes it like a model: EP, AC, compile, FSDP with the stage as root).
 
     ``forward(*inputs, token_ids, labels, position_ids=None)``, as the native ``StageModule``: the token ids
     on the first stage, else the previous stage's hidden states; returns ``(hidden,)``, or on the last stage
@@ -152,7 +152,7 @@ class HFStage(HFModel):
         nn.Module.__init__(self)
         self.__dict__.update({k: v for k, v in whole.__dict__.items() if not k.startswith("_")})
         self.hf = hf_view(whole.hf, spec.blocks, spec.embedding, spec.output)
-        self.hf.is_pipeline_stage = True  # the checks of parallelize_hf read it (e.g. a stage without experts)
+        self.hf.is_pipeline_stage = True  # the generic path's checks read it (e.g. a stage without experts)
         self._unit_names = [f"model.layers.{name}" for name in spec.blocks]
         self.spec = spec
         self.sums: list[dict[str, torch.Tensor]] = []

@@ -35,12 +35,13 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_moe.checkpoint.pipelined import (
+from lightning_moe.dtypes import dtype_option
+from lightning_moe.io.pipelined import (
     flattened_optimizer_state,
     has_flattened_optimizer_state,
     load_flattened,
 )
-from lightning_moe.checkpoint.training import (
+from lightning_moe.io.training import (
     check_complete,
     clear_staging,
     load_unsharded,
@@ -53,23 +54,12 @@ from lightning_moe.parallel.context import shard_batch
 from lightning_moe.parallel.dims import ParallelDims, check_pp, check_sizes
 from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
-from lightning_moe.parallel.pipeline import StageModule, check_schedule, default_schedule
-from lightning_moe.parallel.pipeline_hf import HFStage
+from lightning_moe.parallel.pipeline import check_schedule, default_schedule
+from lightning_moe.parallel.pipeline_stages import check_splittable, split_into_stages
 from lightning_moe.parallel.splits import check_micro_batches
 from lightning_moe.parallel.tensor import DEFER_FLAG, deferred_partial_sums
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
-
-
-def dtype_option(name: str | None, key: str) -> torch.dtype | None:
-    """A dtype setting by name (``bfloat16`` / ``bf16`` ...), or a one-line error naming ``key``."""
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise ValueError(f"{key}={name!r} is not one of {sorted(DTYPES)} (or null)")
-    return DTYPES[name]
 
 
 class ParallelStrategy(ModelParallelStrategy):
@@ -133,17 +123,19 @@ class ParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
         self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
-        self.parallelize_options = {
-            "activation_checkpointing": activation_checkpointing,
-            "activation_checkpointing_every": activation_checkpointing_every,
-            "compile": compile,
-            "compile_backend": compile_backend,
-            "param_dtype": dtype_option(param_dtype, "param_dtype"),
-            "reduce_dtype": dtype_option(reduce_dtype, "reduce_dtype"),
-            "cpu_offload": cpu_offload,
-            "reshard_after_forward": reshard_after_forward,
-        }
+        self.parallel_options = ParallelOptions(
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every,
+            compile=compile,
+            compile_backend=compile_backend,
+            param_dtype=dtype_option(param_dtype, "param_dtype"),
+            reduce_dtype=dtype_option(reduce_dtype, "reduce_dtype"),
+            cpu_offload=cpu_offload,
+            reshard_after_forward=reshard_after_forward,
+        )
         self._parallel_dims: ParallelDims | None = None
+        # the runner of this rank's pipeline stages, set when the model is built (parallel/pipeline_runner.py)
+        self.pipeline = None
 
     # ------------------------------------------------------------------ meshes
     def setup_environment(self) -> None:
@@ -200,14 +192,14 @@ class ParallelStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ model and batches
     def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (meta device, after converters) split over the meshes; under a pipeline, first split into
+        stages, each parallelized, whose runner this strategy keeps (:attr:`pipeline`)."""
         if self.pipeline_parallel:
-            if not isinstance(model, (StageModule, HFStage)):
-                raise ValueError(
-                    f"pp={self._sizes['pp']}: pipeline parallelism splits the decoders trained by CausalLM (native, "
-                    f"or transformers' on the generic path); {type(model).__name__} (e.g. a vision model) is not "
-                    f"split into stages yet: use pp=1"
-                )
-        return parallelize(model, self.parallel_dims, **self.parallelize_options)
+            check_splittable(model, self._sizes["pp"])
+            model, self.pipeline = split_into_stages(model, self.parallel_dims, self.parallel_options,
+                                                     self.pipeline_options, self.root_device)
+            return model
+        return parallelize(model, self.parallel_dims, self.parallel_options)
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's share of a batch: the context-parallel sequence split (identity when ``cp == 1``)."""
@@ -222,8 +214,7 @@ class ParallelStrategy(ModelParallelStrategy):
         """Clip gradients of parameters on any mix of meshes by their total norm; returns that norm."""
         # under a pipeline each rank holds some stages' parameters: their norms are combined over the stages
         group = self.parallel_dims.mesh("pp").get_group() if self.pipeline_parallel else None
-        pipeline = getattr(self.lightning_module, "_pipeline", None)
-        uncounted = pipeline.uncounted_parameters() if pipeline is not None else ()
+        uncounted = self.pipeline.uncounted_parameters() if self.pipeline is not None else ()
         return clip_grad_norm_(parameters, max_norm, norm_type, stage_group=group, uncounted=uncounted)
 
     @contextmanager
@@ -271,7 +262,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self.barrier("ParallelStrategy.save_checkpoint: published")
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """A pipelined run's optimizer states are saved keyed by parameter name (``checkpoint/pipelined.py``)."""
+        """A pipelined run's optimizer states are saved keyed by parameter name (``io/pipelined.py``)."""
         if not (self.pipeline_parallel and self._save_distributed_checkpoint):
             return super().optimizer_state(optimizer)
 

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.models.blocks import Linears, submodule
+from lightning_moe.models.blocks import split_linears as block_split_linears
 from lightning_moe.models.layers.loss import OutputLayer, linear_cross_entropy
 from lightning_moe.parallel.collectives import all_gather_autograd, reduce_scatter_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
@@ -38,6 +40,8 @@ from lightning_moe.parallel.lora_tensor import (
     LoraColwiseParallel,
     LoraRowwiseParallel,
     is_lora_linear,
+    lora_parts,
+    lora_placement,
     shard_lora_locally,
 )
 from lightning_moe.parallel.mamba import heads_over_whole_rows
@@ -76,22 +80,24 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, expert_parallel: bool = Fal
             for module in (depth.enorm, depth.hnorm, depth.eh_proj):
                 _replicate_over_sequence_shards(module, tp_mesh)
     for block in blocks:
+        split = block.kind.tensor
         parallelize_module(block, tp_mesh, _block_plan(block, fp8_gather))
-        if block.symbol in "MGK":  # Mamba-2, Gated DeltaNet, KDA: replicated weights, heads over whole rows
-            _replicate_over_sequence_shards(block.op, tp_mesh)
+        if split.local is not None:
+            _shard_locally(submodule(block, split.local.owner), split.local, tp_mesh)
+        experts = (block.kind.experts,) if block.kind.experts and not expert_parallel else ()
+        for name in split.replicated + experts:
+            if submodule(block, name) is not None:
+                _replicate_over_sequence_shards(submodule(block, name), tp_mesh)
+        if split.trades_heads:  # replicated weights, heads over whole rows
             block.op.forward = heads_over_whole_rows(block.op, tp_mesh.get_group(), _rows_in_order)
-        if block.symbol == "E":
-            replicated = ["router", "fc1_latent_proj", "fc2_latent_proj", "shared_expert_gate"]
-            replicated += [] if expert_parallel else ["experts"]
-            for name in replicated:
-                if getattr(block.moe, name, None) is not None:
-                    _replicate_over_sequence_shards(getattr(block.moe, name), tp_mesh)
-            block.moe.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
-        if block.symbol == "*" and block.attn.cfg.type == "mla":
-            _shard_mla(block.attn, tp_mesh)
-        elif block.symbol == "*" and block.attn.sinks is not None:
-            block.attn.sinks = nn.Parameter(distribute_tensor(block.attn.sinks, tp_mesh, [Shard(0)]))
-            use_local_parameters(block.attn, names=["sinks"])
+        if split.shard_loss:
+            block.op.register_forward_hook(_average_aux_loss_over(tp_mesh.get_group()))
+        for name in split.sharded:
+            owner_name, leaf = name.rsplit(".", 1)
+            owner = submodule(block, owner_name)
+            if getattr(owner, leaf, None) is not None:
+                setattr(owner, leaf, nn.Parameter(distribute_tensor(getattr(owner, leaf), tp_mesh, [Shard(0)])))
+                use_local_parameters(owner, names=[leaf])
     if model.output_layer is not None:
         model.output_layer = VocabParallelOutput(tp_mesh, model.output_layer.repeatable_backward)
     for name, param in model.named_parameters():
@@ -121,39 +127,37 @@ def _rows_in_order(layout):
 
 
 def _block_plan(block: nn.Module, fp8_gather: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
+    """The DTensor plan of a block: its norm over sequence shards, the linears its record runs on the gathered
+    sequence, the per-head norms of the local heads."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     plan = {"norm": SequenceParallel(use_local_output=True)}
-    if block.symbol == "*" and block.attn.cfg.type == "gqa":
-        attn = block.attn
-        consumers = [attn.q_proj, attn.k_proj, attn.v_proj] if fp8_gather else []
-        plan["attn"] = prepare_input(consumers, input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"attn.{name}"] = colwise(getattr(attn, name), fp8_gather)
-        plan["attn.o_proj"] = rowwise(attn.o_proj, fp8_gather, output_layouts=Shard(1))
-        if block.attn.cfg.qk_norm:
+    for group in block.kind.tensor.gathered:
+        if submodule(block, group.owner) is not None:
+            plan.update(_gathered_plan(block, group, fp8_gather))
+    for name in block.kind.tensor.head_norms:
+        if submodule(block, name) is not None:
             # per-head norms over local heads; the weight is shared by all heads, so its gradient is summed
-            plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    elif block.symbol == "-":
-        plan.update(_mlp_plan("mlp", block.mlp, fp8_gather))
-    elif block.symbol == "E" and block.moe.shared_experts is not None:
-        plan.update(_mlp_plan("moe.shared_experts", block.moe.shared_experts, fp8_gather))
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
 
-def _mlp_plan(name: str, mlp: nn.Module, fp8_gather: bool) -> dict:
-    """A dense MLP on the gathered sequence: gate/up split by output channels, down by input rows, its partial
-    sums reduce-scattered back to sequence shards."""
+def _gathered_plan(block: nn.Module, group: Linears, fp8_gather: bool) -> dict:
+    """Linears on the gathered sequence: the column-wise ones split by output channels, the row-wise ones by
+    input rows, their partial sums reduce-scattered back to sequence shards. An op that mixes the sequence takes
+    the layout after the hidden states."""
     from torch.distributed.tensor import Replicate, Shard
 
-    inputs = ([mlp.gate_proj, mlp.up_proj] if mlp.activation == "swiglu" else [mlp.up_proj]) if fp8_gather else []
-    plan = {name: prepare_input(inputs, input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    if mlp.activation == "swiglu":
-        plan[f"{name}.gate_proj"] = colwise(mlp.gate_proj, fp8_gather)
-    plan[f"{name}.up_proj"] = colwise(mlp.up_proj, fp8_gather)
-    plan[f"{name}.down_proj"] = rowwise(mlp.down_proj, fp8_gather, output_layouts=Shard(1))
+    owner = submodule(block, group.owner)
+    columns = [leaf for leaf in group.columns if getattr(owner, leaf, None) is not None]
+    consumers = [getattr(owner, leaf) for leaf in columns] if fp8_gather else []
+    layouts = (None,) if group.owner == block.op_name and block.mixes_sequence else ()
+    plan = {group.owner: prepare_input(consumers, input_layouts=(Shard(1), *layouts),
+                                       desired_input_layouts=(Replicate(), *layouts))}
+    for leaf in columns:
+        plan[f"{group.owner}.{leaf}"] = colwise(getattr(owner, leaf), fp8_gather)
+    for leaf in group.rows:
+        plan[f"{group.owner}.{leaf}"] = rowwise(getattr(owner, leaf), fp8_gather, output_layouts=Shard(1))
     return plan
 
 
@@ -181,24 +185,43 @@ def prepare_input(consumers: list[nn.Module], **layouts):
 def split_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     """``(name, linear, split dimension)`` of every linear the plans split (``out``: column-wise, ``in``:
     row-wise), for checks before any is split."""
-    blocks = {f"layers.{n}": block for n, block in model.layers.named_children()}
+    for prefix, block in _named_blocks(model):
+        for name, linear, style in block_split_linears(block, prefix):
+            yield name, linear, "out" if style == "colwise" else "in"
+
+
+def split_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters tensor parallelism divides over its ranks (the rest, and the routed experts, stay
+    whole on every tensor-parallel rank): the embedding and output rows, the split linears' weights (and the
+    column-wise ones' biases, with each LoRA adapter split like its base) and the sharded per-head parameters,
+    as :func:`apply_tensor_parallel` places them. The memory estimate reads it."""
+    from torch.distributed.tensor import Replicate
+
+    split = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
+    for prefix, block in _named_blocks(model):
+        for _, linear, style in block_split_linears(block, prefix):
+            for part, module in lora_parts(linear):
+                for leaf, param in module.named_parameters(recurse=False):
+                    if lora_placement(style, part, leaf) != Replicate():
+                        split.add(id(param))
+        for name in block.kind.tensor.sharded:
+            param = submodule(block, name)
+            if param is not None:
+                split.add(id(param))
+    return split
+
+
+def whole_gradients(model: nn.Module) -> set[int]:
+    """Ids of split parameters whose gradient tensor parallelism leaves whole on every rank: the embedding's
+    (its vocabulary-parallel backward returns a replicated gradient) until FSDP reduce-scatters it."""
+    return {id(model.embed.weight)}
+
+
+def _named_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    yield from ((f"layers.{n}", block) for n, block in model.layers.named_children())
     if model.mtp is not None:
-        blocks.update({f"mtp.depths.{d}.layers.{n}": b for d, depth in enumerate(model.mtp.depths)
-                       for n, b in depth.layers.named_children()})
-    for prefix, block in blocks.items():
-        groups = []
-        if block.symbol == "*":
-            groups.append((f"{prefix}.attn", block.attn, ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"),
-                           ("o_proj",)))
-        if block.symbol == "-":
-            groups.append((f"{prefix}.mlp", block.mlp, ("gate_proj", "up_proj"), ("down_proj",)))
-        if block.symbol == "E" and block.moe.shared_experts is not None:
-            groups.append((f"{prefix}.moe.shared_experts", block.moe.shared_experts, ("gate_proj", "up_proj"),
-                           ("down_proj",)))
-        for owner_name, owner, columns, rows in groups:
-            for leaf in columns + rows:
-                if getattr(owner, leaf, None) is not None:
-                    yield f"{owner_name}.{leaf}", getattr(owner, leaf), "out" if leaf in columns else "in"
+        yield from ((f"mtp.depths.{d}.layers.{n}", b) for d, depth in enumerate(model.mtp.depths)
+                    for n, b in depth.layers.named_children())
 
 
 def _distribute_parameters(module: nn.Module, tp_mesh, placement) -> None:
@@ -219,12 +242,12 @@ def _replicate_over_sequence_shards(module: nn.Module, tp_mesh) -> None:
     use_local_parameters(module, grad_placements=[Partial()])
 
 
-def _shard_mla(attn: nn.Module, tp_mesh) -> None:
+def _shard_locally(attn: nn.Module, linears: Linears, tp_mesh) -> None:
     """Latent attention, Megatron-style: the sequence is gathered on entry; the low-rank down projections and
-    their norms are replicated (their gradients, partial per rank, are summed); the up projections are split
-    by heads and ``o_proj`` by its input rows, whose partial outputs are reduce-scattered back to sequence
-    shards."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    their norms are replicated (the record's ``replicated``: their gradients, partial per rank, are summed);
+    the up projections are split by heads and ``o_proj`` by its input rows, whose partial outputs are
+    reduce-scattered back to sequence shards."""
+    from torch.distributed.tensor import Shard
 
     low_precision = [name for name, m in attn.named_children() if is_low_precision_linear(m)]
     if low_precision:
@@ -234,12 +257,8 @@ def _shard_mla(attn: nn.Module, tp_mesh) -> None:
     if getattr(attn.o_proj, "base_layer", attn.o_proj).bias is not None:
         raise ValueError("tensor parallelism of MLA with an output bias (attention.out_bias) is not supported")
     group = tp_mesh.get_group()
-    for name in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"):
-        if hasattr(attn, name):
-            _distribute_parameters(getattr(attn, name), tp_mesh, Replicate())
-            use_local_parameters(getattr(attn, name), grad_placements=[Partial()])
-    for name, style in (("q_proj", "colwise"), ("q_b_proj", "colwise"), ("kv_b_proj", "colwise"),
-                        ("o_proj", "rowwise")):
+    styles = [(name, "colwise") for name in linears.columns] + [(name, "rowwise") for name in linears.rows]
+    for name, style in styles:
         if not hasattr(attn, name):
             continue
         linear = getattr(attn, name)

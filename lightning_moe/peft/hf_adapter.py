@@ -28,8 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from lightning_moe.checkpoint.atomic import atomic_directory
-from lightning_moe.checkpoint.files import copy_aux_files
+from lightning_moe.io.atomic import atomic_directory
+from lightning_moe.io.files import copy_aux_files
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.families.base import TensorMap
 from lightning_moe.models.hf_weights import HubNames

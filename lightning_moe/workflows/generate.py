@@ -24,15 +24,14 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.atomic import atomic_write_text
-from lightning_moe.checkpoint.run import read_run_checkpoint
 from lightning_moe.data.prompts import encode_prompt, read_prompts
 from lightning_moe.data.tokenizer import generation_defaults, load_tokenizer
+from lightning_moe.dtypes import FLOAT_DTYPES
+from lightning_moe.io.atomic import atomic_write_text
+from lightning_moe.io.run import read_run_checkpoint
 from lightning_moe.models.generation import SamplingSettings, new_tokens
 from lightning_moe.modules.restore import run_module_class
 from lightning_moe.workflows.run_files import GENERATION_CONFIG, run_files
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the run's or the model directory's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: %(default)s")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: as the weights are stored")
+    parser.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="default: as the weights are stored")
     return parser
 
 
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     model, tokenizer, base_config = load_for_generation(args.ckpt, args.hf, args.tokenizer, args.device)
     if args.dtype is not None:
-        model = model.to(DTYPES[args.dtype])
+        model = model.to(FLOAT_DTYPES[args.dtype])
     records = generate(model, tokenizer, base_config, prompts, settings, args.chat)
     for record in records:
         if len(records) > 1:

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lightning_moe.checkpoint.training import LIGHTNING_METADATA, check_complete
+from lightning_moe.io.training import LIGHTNING_METADATA, check_complete
 
 log = logging.getLogger(__name__)
 RESUME_NAMES = ("last", "hpc")

@@ -22,8 +22,8 @@ from lightning_moe.checkpoint.convert import export_hf_tensors
 from lightning_moe.checkpoint.hf_model import export_hf_model
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.checkpoint.merged_export import export_merged_hf
-from lightning_moe.checkpoint.run import model_tensor_keys, model_tensors, read_run_checkpoint
 from lightning_moe.checkpoint.source import expected_tensors, open_checkpoint
+from lightning_moe.io.run import model_tensor_keys, model_tensors, read_run_checkpoint
 from lightning_moe.models.hf import (
     HFModelConfig,
     build_hf_model,

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning_moe.checkpoint.files import copy_aux_files
 from lightning_moe.data.tokenizer import generation_defaults, load_tokenizer
+from lightning_moe.io.files import copy_aux_files
 from lightning_moe.models.hf import HFModelConfig, model_dir, resolve_model_dir
 from lightning_moe.modules.causal_lm import TOKENIZER_KEY
 

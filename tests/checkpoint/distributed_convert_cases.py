@@ -80,8 +80,8 @@ def convert_on_every_rank(work: Path, names: list[str]) -> None:
     above what it held before each conversion."""
     import torch.distributed as dist
 
-    from lightning_moe.checkpoint import commands
-    from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+    from lightning_moe import convert_command as commands
+    from lightning_moe.io.safetensors_io import SafetensorsDir
 
     rank = dist.get_rank()
     reads: list[str] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_moe.checkpoint import commands
+from lightning_moe import convert_command as commands
 from lightning_moe.checkpoint.distributed_convert import ConversionLayout, launched_ranks
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",

@@ -26,8 +26,8 @@ from distributed_harness import run_distributed_test
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.distributed_convert import ConversionLayout, DistributedNativeCheckpoint
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
 from lightning_moe.checkpoint.source import NativeCheckpoint, open_checkpoint
+from lightning_moe.io.safetensors_io import SafetensorsDir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # one 4-rank launch, about two minutes on 2 loaded cores
 WORLD = 4

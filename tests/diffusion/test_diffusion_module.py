@@ -146,10 +146,11 @@ def test_hunyuan_image_3_mismatched_caches_and_model_parallel_layouts_are_refuse
                                          r"transformer takes 16 latent channels .* encoded for another model"):
         QwenImageFamily.check_inputs({"in_channels": 64, "joint_attention_dim": 3584}, 4, 32, "cache X")
     from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
-    from lightning_moe.parallel.diffusion import check_diffusion_model
+    from lightning_moe.parallel.diffusion import DIFFUSERS
     from lightning_moe.parallel.dims import ParallelDims
+    from lightning_moe.parallel.options import ParallelOptions
 
     model = build_diffusion_transformer(DiffusionModule(DiffusionModelConfig(path=str(tiny_pipeline)))._load_family())
     assert sorted(model.layers) == ["transformer.transformer_blocks.0", "transformer.transformer_blocks.1"]
-    with pytest.raises(ValueError, match="tp=2: QwenImageTransformer2DModel trains with data parallelism"):
-        check_diffusion_model(ParallelDims(tp=2, world_size=2), model)
+    with pytest.raises(ValueError, match="tp=2: QwenImageTransformer2DModel runs through diffusers, where it trains with data parallelism"):
+        DIFFUSERS.check(model, ParallelDims(tp=2, world_size=2), ParallelOptions())

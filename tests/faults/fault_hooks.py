@@ -66,7 +66,7 @@ class PauseAt(pl.Callback):
         if trainer.global_rank != self.rank:  # only one rank pauses (and is signalled or killed)
             self.done = True
         if self.point == "save_publish":
-            from lightning_moe.checkpoint import training
+            from lightning_moe.io import training
             from lightning_moe.parallel import strategy
 
             original = training.publish

@@ -18,8 +18,8 @@ import pytest
 import torch
 from harness import EXECUTABLE, RECIPE, REPO, child_env
 
-from lightning_moe.checkpoint.training import check_complete
 from lightning_moe.cli import main
+from lightning_moe.io.training import check_complete
 
 TOKENIZER = str(REPO / "data" / "tokenizer")
 TULU = REPO / "data" / "tulu3_sample.jsonl"

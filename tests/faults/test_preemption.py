@@ -23,7 +23,7 @@ import signal
 import pytest
 from harness import MAX_STEPS, SLURM_JOB, Run, saved_position
 
-from lightning_moe.checkpoint.training import check_complete
+from lightning_moe.io.training import check_complete
 
 pytestmark = pytest.mark.slow
 

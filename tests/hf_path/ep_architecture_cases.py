@@ -14,8 +14,7 @@ from trainer_cases import fit
 
 from lightning_moe.models.hf import HFModelConfig, build_hf_model
 from lightning_moe.models.hf_experts import CORRECTION_BIAS, correction_bias_routers, update_correction_biases
-from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.hf import parallelize_hf
+from lightning_moe.parallel import ParallelDims, parallelize
 
 BIAS_UPDATE_RATE = 1e-2
 
@@ -62,7 +61,7 @@ def bias_update_from_global_load(model_dir: str, layout: dict) -> dict[str, list
     dims = ParallelDims(**layout, world_size=dist.get_world_size())
     dims.build_meshes("cpu")
     model = build_hf_model(HFModelConfig(hf=model_dir, native="never", bias_update_rate=0.5),
-                           parallelize=lambda m: parallelize_hf(m, dims))
+                           parallelize=lambda m: parallelize(m, dims))
     for _, _, experts in correction_bias_routers(model.hf):
         experts.register_forward_pre_hook(opposite_halves, prepend=True)  # before the load is counted
     data = {key: value.chunk(dims.dp_size)[dims.dp_rank] for key, value in batch(rows=4).items()}

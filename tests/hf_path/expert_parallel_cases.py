@@ -12,8 +12,7 @@ from trainer_cases import fit
 
 from lightning_moe.models.hf import HFModelConfig, build_hf_model
 from lightning_moe.models.hf_experts import standardized_experts
-from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.hf import parallelize_hf
+from lightning_moe.parallel import ParallelDims, parallelize
 
 
 def route_to_first_two_experts(module, args):
@@ -42,7 +41,7 @@ def expert_parallel_gradients(model_dir: str, out: str, sizes: dict, skewed: boo
     local expert gradient norms (zero on a rank whose experts received no token)."""
     dims = ParallelDims(**sizes, world_size=dist.get_world_size())
     dims.build_meshes("cpu")
-    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize(m, dims))
     if skewed:
         skew(model.hf)
     data = {key: value.chunk(dims.dp_size)[dims.dp_rank] for key, value in batch(rows=4).items()}

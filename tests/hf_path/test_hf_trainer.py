@@ -36,7 +36,7 @@ def test_two_steps_single_process_and_fsdp_match_and_export_reloads(tmp_path):
         logits = reloaded(batch()["input_ids"], use_cache=False).logits
     torch.testing.assert_close(logits, trained["logits"], rtol=1e-5, atol=1e-5)
     # the run's distributed checkpoint exports to the same files
-    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.convert_command import main
 
     checkpoint = next((root / "ckpt").glob("*step=2.ckpt"))
     assert checkpoint.is_dir(), "expected a distributed (DCP) checkpoint directory"
@@ -53,7 +53,7 @@ def test_two_steps_single_process_and_fsdp_match_and_export_reloads(tmp_path):
 def test_lora_run_trains_adapters_only_and_its_checkpoint_exports_merged(tmp_path, capsys):
     import transformers as t
 
-    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.convert_command import main
     from lightning_moe.peft import LoraConfig, merged_state_dict
 
     model_dir = str(save_tiny(qwen3_next_config(), tmp_path / "qwen3_next"))
@@ -158,7 +158,7 @@ def test_run_of_a_native_family_named_by_hf_exports_what_it_trained(lora, tmp_pa
     import transformers as t
     from tiny_hf import save_tiny as save_native
 
-    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.convert_command import main
     from lightning_moe.models.decoder import Decoder
     from lightning_moe.peft import LoraConfig
 

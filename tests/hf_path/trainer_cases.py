@@ -92,12 +92,11 @@ def tensor_parallel_fsdp_gradients(model_dir: str, out: str) -> None:
     """One loss and backward of a fixed batch under tp=2 x dp_shard=2 (each data-parallel pair its half of the
     rows): the summed loss and every full gradient, FSDP's mean over the pairs undone."""
     from lightning_moe.models.hf import build_hf_model
-    from lightning_moe.parallel import ParallelDims
-    from lightning_moe.parallel.hf import parallelize_hf
+    from lightning_moe.parallel import ParallelDims, parallelize
 
     dims = ParallelDims(tp=2, dp_shard=2, world_size=dist.get_world_size())
     dims.build_meshes("cpu")
-    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize(m, dims))
     data = {key: value.chunk(dims.dp_size)[dims.dp_rank] for key, value in batch(rows=4).items()}
     loss = model(data["input_ids"], labels=data["labels"]).loss_sum
     loss.backward()
@@ -113,12 +112,11 @@ def tensor_parallel_gradients(model_dir: str, out: str) -> None:
     """One loss and backward of a fixed batch under 2-way tensor parallelism with the model's own plan (transformers'
     path forced): the loss sum, every full gradient, and whether a tied output layer is still the embedding."""
     from lightning_moe.models.hf import build_hf_model
-    from lightning_moe.parallel import ParallelDims
-    from lightning_moe.parallel.hf import parallelize_hf
+    from lightning_moe.parallel import ParallelDims, parallelize
 
     dims = ParallelDims(tp=2, world_size=2)
     dims.build_meshes("cpu")
-    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+    model = build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize(m, dims))
     data = batch()
     loss = model(data["input_ids"], labels=data["labels"]).loss_sum
     loss.backward()

@@ -12,7 +12,7 @@ from distributed_harness import HANG_GUARD_S
 from safetensors.torch import load_file, save_file
 from tiny_hf import save_tiny
 
-from lightning_moe.checkpoint.commands import main as convert_main
+from lightning_moe.convert_command import main as convert_main
 
 
 def _edit_tensors(hf_dir, edit):
@@ -108,7 +108,7 @@ def test_outputs_have_the_permissions_of_any_new_directory(tmp_path, hf_dir):
 
 
 def test_overwrite_replaces_an_output_file_or_directory(tmp_path):
-    from lightning_moe.checkpoint.atomic import atomic_directory
+    from lightning_moe.io.atomic import atomic_directory
 
     for existing in ("dir", "file"):
         out = tmp_path / existing

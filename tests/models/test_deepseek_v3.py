@@ -21,7 +21,7 @@ from tiny_moe_hf import (
 
 from lightning_moe.checkpoint.convert import import_hf_checkpoint
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.mla import MLA

@@ -16,7 +16,7 @@ from tiny_moe_hf import (
 )
 
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name
 from lightning_moe.models.layers.rope import RotaryEmbedding
 

@@ -9,7 +9,7 @@ import torch
 from tiny_hf import FAMILIES, save_tiny
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -92,7 +92,7 @@ def test_verify_compares_scalars_and_empty_tensors(tmp_path):
 
 
 def test_sharded_writer_refuses_a_name_written_to_an_earlier_shard(tmp_path):
-    from lightning_moe.checkpoint.safetensors_io import ShardedWriter
+    from lightning_moe.io.safetensors_io import ShardedWriter
 
     writer = ShardedWriter(tmp_path, max_shard_bytes=8)
     for name in ("a", "b", "c"):

@@ -14,7 +14,7 @@ from transformers_reference import (
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name, family_for_hf_config
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]

@@ -16,10 +16,10 @@ from closeness import assert_matches_float64_reference
 from tiny_mimo_v2 import KV, mimo_v2_hub_config, mtp_losses, save_mimo_v2
 from transformers_reference import assert_logits_match, assert_packed_logits_match
 
-from lightning_moe.checkpoint import quantized as Q
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io import quantized as Q
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.families import family_by_name, family_for_hf_config
 

@@ -17,7 +17,7 @@ from lightning_moe.checkpoint.convert import (
     verify_hf_checkpoints,
 )
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name, family_for_hf_config
 
 LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]

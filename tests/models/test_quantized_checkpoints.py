@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from tiny_moe_hf import TOL, build_tiny, max_logit_diff, save_tiny
 
-from lightning_moe.checkpoint import quantized as Q
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io import quantized as Q
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name
 
 

@@ -9,7 +9,7 @@ from closeness import assert_matches_float64_reference
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_for_hf_config
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -15,7 +15,7 @@ from test_qwen3_next import build_tiny, hf_config
 
 from lightning_moe.checkpoint.convert import export_hf_checkpoint, import_hf_checkpoint, verify_hf_checkpoints
 from lightning_moe.checkpoint.load import load_pretrained
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 from lightning_moe.models.families import family_by_name
 
 FULL_ATTENTION_LAYER = 2  # LAYER_TYPES of test_qwen3_next: the hub's MTP layer is a full-attention MoE layer

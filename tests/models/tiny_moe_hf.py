@@ -154,7 +154,7 @@ def check_bitwise_round_trip(name: str, work: Path, dtype: torch.dtype) -> Path:
     state. Returns the source directory."""
     import transformers
 
-    from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+    from lightning_moe.io.safetensors_io import SafetensorsDir
 
     hf_dir = save_tiny(name, work / "hf", dtype)
     report = round_trip(hf_dir, work)

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_hf import build_tiny
 
-from lightning_moe.checkpoint.commands import main as convert_main
+from lightning_moe.convert_command import main as convert_main
 from lightning_moe.data import MockDataModule
 from lightning_moe.modules.causal_lm import CausalLM
 from lightning_moe.modules.optim import OptimizerConfig

@@ -23,9 +23,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "hf_path"))
 from tiny_hf_models import VOCAB  # noqa: E402
 
 from lightning_moe.models.hf import HFModelConfig, build_hf_model  # noqa: E402
-from lightning_moe.parallel import hf_context  # noqa: E402
-from lightning_moe.parallel.hf import parallelize_hf  # noqa: E402
+from lightning_moe.parallel import (
+    hf_context,  # noqa: E402
+    parallelize,  # noqa: E402
+)
 from lightning_moe.parallel.hf_context import ATTENTION_NAME, context_parallel_attention  # noqa: E402
+from lightning_moe.parallel.options import ParallelOptions  # noqa: E402
 
 GRAD_ATOL = 1e-5  # the first step's gradients, element by element
 
@@ -52,7 +55,7 @@ def run_hf_layout(case: str, model_dir: str, sizes: dict[str, int], **options) -
     dims = build_dims(sizes)
     config = HFModelConfig(hf=model_dir, native="never")
     reference = build_hf_model(config)
-    parallel = build_hf_model(config, parallelize=lambda model: parallelize_hf(model, dims, **options))
+    parallel = build_hf_model(config, parallelize=lambda model: parallelize(model, dims, ParallelOptions(**options)))
     calls = count_attention_calls()
     batches = global_batches(VOCAB)
     problems = compare_logits(case, reference, parallel, batches[0], dims)

@@ -31,6 +31,7 @@ from lightning_moe.parallel import ParallelDims, parallelize
 from lightning_moe.parallel.context import load_balanced_indices, shard_batch
 from lightning_moe.parallel.fsdp import deferred_all_reduce
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.options import ParallelOptions
 
 ROWS, SEQ, STEPS = 4, 16, 5
 MAX_NORM = 0.5
@@ -240,7 +241,7 @@ def parallel_model(name: str, dims: ParallelDims, state: dict[str, torch.Tensor]
     """Built as the training module builds it: meta device, parallelize, materialize, initialize, load."""
     with torch.device("meta"):
         model = Decoder(tiny_config(name))
-    parallelize(model, dims, **options)
+    parallelize(model, dims, ParallelOptions(**options))
     model.to_empty(device="cpu")
     torch.manual_seed(99)
     model.init_weights()

@@ -16,6 +16,7 @@ from parallel_cases import (
 from lightning_moe.checkpoint.load import copy_tensors_into
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import parallelize
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.peft import LoraConfig, apply_lora, is_adapter_parameter
 from lightning_moe.precision import Float8Config, apply_float8
 
@@ -38,7 +39,7 @@ def converted_model(name: str, lora: LoraConfig | None, dims=None, fp8: Float8Co
     if lora is not None:
         apply_lora(model, lora)
     if dims is not None:
-        parallelize(model, dims, **options)
+        parallelize(model, dims, ParallelOptions(**options))
     model.to_empty(device="cpu")
     model.init_weights()
     copy_tensors_into(model, initial_state(name).items())

@@ -21,8 +21,7 @@ from distributed_harness import run_distributed_test
 from hf_cp_cases import VOCAB, fit_context_parallel
 
 from lightning_moe.models.hf import HFModelConfig, build_hf_model
-from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.hf import parallelize_hf
+from lightning_moe.parallel import ParallelDims, parallelize
 
 WINDOW = 4  # shorter than the longest packed documents, so the window masks something
 
@@ -76,7 +75,7 @@ def test_cp_of_layers_that_carry_a_state_along_the_sequence_is_refused_by_name(t
     model_dir = tiny(tmp_path, architecture)
     dims = ParallelDims(cp=2, world_size=2)  # refused before any mesh is used
     with pytest.raises(ValueError, match=message):
-        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize(m, dims))
 
 
 @pytest.mark.parametrize("architecture, message", [
@@ -89,7 +88,7 @@ def test_cp_of_sparse_attention_indexers_and_kv_compressors_is_refused_by_name(t
     model_dir = tiny(tmp_path, architecture)
     dims = ParallelDims(cp=2, world_size=2)
     with pytest.raises(ValueError, match=message):
-        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize_hf(m, dims))
+        build_hf_model(HFModelConfig(hf=model_dir, native="never"), parallelize=lambda m: parallelize(m, dims))
 
 
 def qwen2_moe_config():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_moe import ParallelStrategy
+from lightning_moe.data import MockDataModule
 from lightning_moe.models.config import (
     AttentionConfig,
     MambaConfig,
@@ -98,6 +99,8 @@ def test_row_lengths_that_do_not_split():
     with pytest.raises(ValueError, match=r"PretrainRows.seq_length 18 is not a multiple of 4 \(2\*cp=4 load-balanced "
                                          r"chunks, cp\*tp=4 sequence-parallel shards\); .* e.g. 20"):
         dims.check_data_module(PretrainRows())
+    with pytest.raises(ValueError, match=r"MockDataModule.seq_length 18 is not a multiple of 4"):
+        dims.check_data_module(MockDataModule(seq_length=18))  # the package's modules state their row length
     with pytest.raises(ValueError, match=r"pad_seq_to_mult=2: unpacked rows must be padded to a multiple of 4"):
         dims.check_data_module(SimpleNamespace(packing="none", pad_seq_to_mult=2, packed_sequence_size=64))
     dims.check_data_module(SimpleNamespace(packing="ffd", pad_seq_to_mult=2, packed_sequence_size=64))
@@ -143,7 +146,7 @@ def test_context_parallel_split_is_load_balanced_and_complete():
 
 
 def test_tensor_parallel_refuses_low_precision_shards_of_partial_blocks():
-    from lightning_moe.parallel.parallelize import refuse_converted_layers
+    from lightning_moe.parallel.native import refuse_converted_layers
     from lightning_moe.precision import Float8Config, apply_float8
 
     with torch.device("meta"):

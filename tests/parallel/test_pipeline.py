@@ -20,6 +20,7 @@ from parallel_cases import tiny_config
 from lightning_moe import ParallelStrategy
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline import (
     balanced_split,
     check_schedule,
@@ -93,7 +94,7 @@ def check_same_export(pipelined, unpipelined, tmp_path, lora: bool = False):
     """``convert export`` (``export-lora`` with ``lora``: the PEFT adapter and the merged model) of a pipelined run
     writes what the one-process run's export writes (the same files, configs and tensor names, shapes and dtypes;
     values equal to fp32 reduction-order noise)."""
-    from lightning_moe.checkpoint.commands import main as convert_main
+    from lightning_moe.convert_command import main as convert_main
 
     outs = {}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -218,7 +219,7 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
         check_schedule("zbv", 2, 4)
     with pytest.raises(ValueError, match="pp_schedule='bogus' is not one of"):
         ParallelStrategy(pp=2, pp_schedule="bogus")
-    from lightning_moe.modules.pipeline_step import check_micro_batches
+    from lightning_moe.parallel.splits import check_micro_batches
 
     with pytest.raises(ValueError, match="pp=4 pipeline stages need at least 4 micro-batches per step, got 2"):
         check_micro_batches(2, 4)
@@ -230,7 +231,7 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
     assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
-    from lightning_moe.modules.pipeline_step import check_pipeline_model
+    from lightning_moe.parallel.pipeline_stages import check_pipeline_model
 
     tied = tiny_config("gpt_oss_like")
     check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=False)
@@ -270,18 +271,12 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     moe.hf.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits=True"):
         check_hf_pipeline(moe)
-    from types import SimpleNamespace
-
-    from lightning_moe.modules.pipeline_step import build_pipelined_hf_model
+    from lightning_moe.parallel.pipeline_stages import split_into_stages
 
     for schedule, vp, options, message in [
         ("zbv", 2, {}, "zero-bubble schedules are built for native decoders only"),
-        ("1f1b", 1, {"compile": True}, "with compile=True is not supported"),
+        ("1f1b", 1, {"compile": True}, "compile=True with pp=2: Qwen3MoeForCausalLM runs through transformers"),
     ]:
-        strategy = SimpleNamespace(parallel_dims=ParallelDims(pp=2, world_size=2),
-                                   pipeline_options={"vp": vp, "pp_schedule": schedule, "pp_layout": None},
-                                   parallelize_options={"activation_checkpointing": "none", "compile": False,
-                                                         **options})
         with pytest.raises(ValueError, match=message):
-            build_pipelined_hf_model(HFModelConfig(hf=names["qwen3_moe"][3:], native="never"), strategy=strategy,
-                                     seed=0, task="causal-lm")
+            split_into_stages(meta("qwen3_moe"), ParallelDims(pp=2, world_size=2), ParallelOptions(**options),
+                              {"vp": vp, "pp_schedule": schedule, "pp_layout": None}, "cpu")

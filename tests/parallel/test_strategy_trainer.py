@@ -10,8 +10,8 @@ import strategy_trainer_cases
 import torch
 from distributed_harness import run_distributed_test
 
-from lightning_moe.checkpoint.commands import main as convert_main
-from lightning_moe.checkpoint.run import PREFIX, read_run_checkpoint
+from lightning_moe.convert_command import main as convert_main
+from lightning_moe.io.run import PREFIX, read_run_checkpoint
 
 pytestmark = pytest.mark.distributed
 

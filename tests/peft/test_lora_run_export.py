@@ -17,8 +17,8 @@ import yaml
 from tiny_hf import save_nemotron_h_twin, save_tiny, tiny_config
 from trained_logits import probe_tokens
 
-from lightning_moe.checkpoint.run import read_run_checkpoint
 from lightning_moe.cli import main as cli_main
+from lightning_moe.io.run import read_run_checkpoint
 
 pytestmark = pytest.mark.slow  # three short CLI runs (about a minute on two loaded cores)
 

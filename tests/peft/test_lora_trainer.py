@@ -11,8 +11,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_hf import save_tiny
 
-from lightning_moe.checkpoint.commands import main as convert_main
 from lightning_moe.checkpoint.source import open_checkpoint
+from lightning_moe.convert_command import main as convert_main
 from lightning_moe.data import MockDataModule
 from lightning_moe.modules import CausalLM, OptimizerConfig
 from lightning_moe.peft import LoraConfig, is_adapter_parameter

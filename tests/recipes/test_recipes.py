@@ -80,8 +80,8 @@ def test_parallel_sizes_fit_the_gpus_model_and_data(recipe):
     data.trainer = SimpleNamespace(strategy=SimpleNamespace(data_parallel_rank=0, data_parallel_size=dims.dp_size))
     gbs = data.resolved_global_batch_size()  # raises unless micro batch x data-parallel ranks divides the global batch
     if dims.pp > 1 and config is None:  # the generic path's stages: its schedule and micro-batches
-        from lightning_moe.modules.pipeline_step import check_micro_batches
         from lightning_moe.parallel.pipeline import check_schedule, default_schedule
+        from lightning_moe.parallel.splits import check_micro_batches
 
         args = cfg["trainer"]["strategy"]["init_args"]
         vp = args.get("vp", 1)
@@ -95,14 +95,16 @@ def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_ba
     """What the pipeline checks before the first step: the model splits into pp x vp stages and each step has
     enough micro-batches for the schedule."""
     from lightning_moe.models.decoder import Decoder
-    from lightning_moe.modules.pipeline_step import check_micro_batches, check_pipeline_model
-    from lightning_moe.parallel.fsdp import fsdp_applies
+    from lightning_moe.parallel.options import ParallelOptions
     from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model
+    from lightning_moe.parallel.pipeline_stages import check_pipeline_model
+    from lightning_moe.parallel.splits import check_micro_batches
 
     vp = args.get("vp", 1)
     check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
     check_pipeline_model(config, dims, args.get("pp_schedule") or default_schedule(vp),
-                         sharded=fsdp_applies(dims, args.get("param_dtype"), args.get("cpu_offload", False)))
+                         sharded=ParallelOptions(param_dtype=args.get("param_dtype"),
+                                                 cpu_offload=args.get("cpu_offload", False)).fsdp_applies(dims))
     with torch.device("meta"):
         model = Decoder(config)
     stages = split_model(model, dims.pp * vp, args.get("pp_layout"))
@@ -113,7 +115,7 @@ def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_ba
 def check_converters_under_tp(config: ModelConfig, module_args: dict, dims: ParallelDims) -> None:
     """The strategy's check of LoRA / FP8 layers under tensor parallelism, on the converted meta model."""
     from lightning_moe.models.decoder import Decoder
-    from lightning_moe.parallel.parallelize import refuse_converted_layers
+    from lightning_moe.parallel.native import refuse_converted_layers
     from lightning_moe.peft import LoraConfig, apply_lora
     from lightning_moe.precision import Float8Config, apply_float8
 

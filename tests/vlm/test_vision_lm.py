@@ -143,7 +143,7 @@ def test_run_checkpoint_exports_the_image_text_to_text_model(tmp_path):
     import transformers as t
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_moe.checkpoint.commands import main
+    from lightning_moe.convert_command import main
 
     vlm_dir = save_tiny_vlm(tmp_path / "qwen3_5", family="qwen3_5")
     module = VisionLM(model=HFModelConfig(hf=str(vlm_dir)), optimizer=OptimizerConfig(lr=1e-2), freeze_vision=False)

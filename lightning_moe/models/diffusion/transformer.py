@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
+from lightning_moe.models.build import build_model
 from lightning_moe.models.hf import _layer_units, materialize_with_buffers, parameters_on_meta
-from lightning_moe.models.lora_init import reset_lora_parameters
 from lightning_moe.models.weights import copy_tensors_into
 
 
@@ -51,31 +51,31 @@ def build_diffusion_transformer(family: Any, *, convert: Callable[[nn.Module], N
     ``seed``. Master weights are float32 whatever the checkpoint's dtype (FSDP's ``param_dtype`` sets the compute
     dtype)."""
     cls = family.transformer_class
-    config = cls.load_config(family.transformer_dir)
-    with parameters_on_meta():
-        transformer = cls.from_config(config).float()
-    model = DiffusionTransformer(transformer, family)
-    if convert is not None:
-        convert(model.transformer)
-    # never given a gradient: frozen, so optimizers hold no state for them and a resumed run expects none
-    for name in family.unused_parameters(model.transformer):
-        model.transformer.get_parameter(name).requires_grad_(False)
-    if parallelize is not None:
-        parallelize(model)
-    materialize_with_buffers(model, device)
-    reader = SafetensorsDir(family.transformer_dir)
-    try:
-        copy_tensors_into(model.transformer, ((name, reader.get(name)) for name in reader.keys()))
-    finally:
-        reader.close()
-    expected = {n.replace(".base_layer.", ".") for n in model.transformer.state_dict() if ".lora_" not in n}
-    missing = sorted(expected - set(reader.keys()))
-    if missing:
-        raise ValueError(f"{family.transformer_dir}: no tensor for {', '.join(missing[:3])}"
-                         f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} of {cls.__name__}; a partial "
-                         f"checkpoint would start those weights at random")
-    if any(".lora_" in name for name, _ in model.named_parameters()):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            reset_lora_parameters(model)
-    return model
+
+    def construct() -> DiffusionTransformer:
+        with parameters_on_meta():
+            transformer = cls.from_config(cls.load_config(family.transformer_dir)).float()
+        return DiffusionTransformer(transformer, family)
+
+    def prepare(model: DiffusionTransformer) -> None:
+        if convert is not None:
+            convert(model.transformer)
+        # never given a gradient: frozen, so optimizers hold no state for them and a resumed run expects none
+        for name in family.unused_parameters(model.transformer):
+            model.transformer.get_parameter(name).requires_grad_(False)
+
+    def load(model: DiffusionTransformer) -> None:
+        reader = SafetensorsDir(family.transformer_dir)
+        try:
+            copy_tensors_into(model.transformer, ((name, reader.get(name)) for name in reader.keys()))
+        finally:
+            reader.close()
+        expected = {n.replace(".base_layer.", ".") for n in model.transformer.state_dict() if ".lora_" not in n}
+        missing = sorted(expected - set(reader.keys()))
+        if missing:
+            raise ValueError(f"{family.transformer_dir}: no tensor for {', '.join(missing[:3])}"
+                             f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} of {cls.__name__}; a "
+                             f"partial checkpoint would start those weights at random")
+
+    return build_model(construct, materialize=materialize_with_buffers, device=device, seed=seed, convert=prepare,
+                       parallelize=parallelize, load=load)

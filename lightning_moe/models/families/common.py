@@ -1,4 +1,5 @@
-"""Translations shared by the Llama-style families: rope settings and the standard decoder-layer names.
+"""Translations shared across families: rope settings, the standard decoder-layer names, Llama-style configs,
+and DeepSeek-style MoE settings and MLA weights (used by DeepSeek-V3, GLM-4.5, Kimi-Linear, MiMo-V2).
 
 A Llama-style hub layer ``model.layers.{i}`` holds ``self_attn`` + ``input_layernorm`` (our block ``2i``)
 and ``mlp`` + ``post_attention_layernorm`` (our block ``2i + 1``, a dense MLP or an MoE).
@@ -6,10 +7,11 @@ and ``mlp`` + ``post_attention_layernorm`` (our block ``2i + 1``, a dense MLP or
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.models.config import AttentionConfig, ModelConfig, RopeConfig
+from lightning_moe.models.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from lightning_moe.models.families.base import TensorMap, require, rope_parameters
 
 SUPPORTED_ROPE = ("default", "llama3", "yarn")
@@ -213,3 +215,129 @@ def aux_loss_coeff_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
     coef = moe.aux_loss_coeff * max(cfg.pattern.count("E"), 1) / moe.top_k
     return {"router_aux_loss_coef": coef, "output_router_logits": moe.aux_loss_coeff > 0}
+
+
+# ---------------------------------------------------------------------------------------------- Llama-style configs
+def check_silu(hf: dict[str, Any], architecture: str, key: str = "hidden_act") -> None:
+    act = hf.get(key, "silu")
+    if act != "silu":
+        raise ValueError(f"config.json ({architecture}): {key}={act!r} is not supported (silu)")
+
+
+def llama_style_attention(hf: dict[str, Any], architecture: str, **overrides: Any) -> AttentionConfig:
+    heads = require(hf, "num_attention_heads", architecture)
+    head_dim = hf.get("head_dim") or require(hf, "hidden_size", architecture) // heads
+    att = AttentionConfig(
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rope=rope_from_hf(hf, architecture),
+    )
+    for key, value in overrides.items():
+        setattr(att, key, value)
+    return att
+
+
+def llama_style_model(hf: dict[str, Any], family: str, architecture: str, pattern: str,
+                      attention: AttentionConfig, **kwargs: Any) -> ModelConfig:
+    check_silu(hf, architecture)
+    return ModelConfig(
+        family=family,
+        vocab_size=require(hf, "vocab_size", architecture),
+        hidden_size=require(hf, "hidden_size", architecture),
+        pattern=pattern,
+        attention=attention,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        init_std=hf.get("initializer_range", 0.02),
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- DeepSeek-style MoE
+# DeepSeek-V3's bias update speed (gamma); GLM-4.5 uses the same
+BIAS_UPDATE_RATE = 1e-3
+
+
+def sigmoid_moe_from_hf(hf: dict[str, Any], architecture: str) -> MoEConfig:
+    """DeepSeek-style router: sigmoid scores, selection-only bias, group-limited top-k, shared experts."""
+    scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ValueError(f"config.json ({architecture}): scoring_func={scoring!r} is not supported (sigmoid)")
+    method = hf.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ValueError(f"config.json ({architecture}): topk_method={method!r} is not supported (noaux_tc)")
+    return MoEConfig(
+        num_experts=require(hf, "n_routed_experts", architecture),
+        top_k=require(hf, "num_experts_per_tok", architecture),
+        intermediate_size=require(hf, "moe_intermediate_size", architecture),
+        num_shared_experts=int(hf.get("n_shared_experts") or 0),
+        score_func="sigmoid",
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        score_correction_bias=True,
+        bias_update_rate=BIAS_UPDATE_RATE,
+    )
+
+
+def first_k_dense(cfg: ModelConfig, family: str) -> int:
+    """Number of leading dense layers of a DeepSeek-style pattern (``*-`` pairs, then only ``*E`` pairs)."""
+    pairs = [cfg.pattern[i : i + 2] for i in range(0, len(cfg.pattern), 2)]
+    dense = next((i for i, p in enumerate(pairs) if p != "*-"), len(pairs))
+    if len(cfg.pattern) % 2 or any(p != "*E" for p in pairs[dense:]):
+        raise ValueError(f"{family}: pattern {cfg.pattern!r} must be '*-' pairs followed by '*E' pairs")
+    return dense
+
+
+def sigmoid_moe_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
+    """The MoE and MTP keys of DeepSeek-style configs."""
+    dense = first_k_dense(cfg, family)
+    moe = cfg.moe
+    hf: dict[str, Any] = {
+        "intermediate_size": cfg.mlp.intermediate_size if cfg.mlp else moe.intermediate_size,
+        "first_k_dense_replace": dense,
+        "num_nextn_predict_layers": cfg.mtp.stored_layers if cfg.mtp else 0,
+    }
+    if moe is not None:
+        hf.update(
+            moe_intermediate_size=moe.intermediate_size,
+            n_routed_experts=moe.num_experts,
+            n_shared_experts=moe.num_shared_experts,
+            num_experts_per_tok=moe.top_k,
+            routed_scaling_factor=moe.routed_scaling_factor,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            norm_topk_prob=moe.norm_topk_prob,
+        )
+    return hf
+
+
+def mla_maps(cfg: ModelConfig, block: int, hf_layer: str) -> list[TensorMap]:
+    att = cfg.attention
+    ours, theirs = f"layers.{block}.attn", f"{hf_layer}.self_attn"
+    maps = [TensorMap.rename(f"layers.{block}.norm.weight", f"{hf_layer}.input_layernorm.weight")]
+
+    def linear(native: str, hf: str, bias: bool = False) -> None:
+        maps.append(TensorMap.rename(f"{ours}.{native}.weight", f"{theirs}.{hf}.weight"))
+        if bias:
+            maps.append(TensorMap.rename(f"{ours}.{native}.bias", f"{theirs}.{hf}.bias"))
+
+    if att.q_lora_rank:
+        linear("q_a_proj", "q_a_proj", att.qkv_bias)
+        maps.append(TensorMap.rename(f"{ours}.q_a_norm.weight", f"{theirs}.q_a_layernorm.weight"))
+        linear("q_b_proj", "q_b_proj")
+    else:
+        linear("q_proj", "q_proj")
+    linear("kv_a_proj", "kv_a_proj_with_mqa", att.qkv_bias)
+    maps.append(TensorMap.rename(f"{ours}.kv_a_norm.weight", f"{theirs}.kv_a_layernorm.weight"))
+    linear("kv_b_proj", "kv_b_proj")
+    linear("o_proj", "o_proj", att.out_bias)
+    return maps
+
+
+def prefixed(prefix: str, maps: list[TensorMap]) -> list[TensorMap]:
+    """``maps`` with ``prefix`` before every native name (an MTP depth's)."""
+    return [dataclasses.replace(m, native=prefix + m.native, joint=tuple(prefix + n for n in m.joint)) for m in maps]

@@ -8,9 +8,13 @@ from typing import Any
 
 from lightning_moe.models.config import AttentionConfig, ModelConfig
 from lightning_moe.models.families.base import TensorMap
-from lightning_moe.models.families.common import attention_maps, base_hf_config
-from lightning_moe.models.families.deepseek_v3 import DeepseekStyle, sigmoid_moe_to_hf
-from lightning_moe.models.families.llama import llama_style_attention
+from lightning_moe.models.families.common import (
+    attention_maps,
+    base_hf_config,
+    llama_style_attention,
+    sigmoid_moe_to_hf,
+)
+from lightning_moe.models.families.deepseek_style import DeepseekStyle
 
 ARCH = "Glm4MoeForCausalLM"
 # transformers' value when a config names none

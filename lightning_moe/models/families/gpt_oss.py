@@ -5,7 +5,7 @@ transformers stores each layer's experts fused: ``gate_up_proj`` ``[E, hidden, 2
 interleaved column by column (gate even, up odd), ``down_proj`` ``[E, inter, hidden]`` (inputs first) and
 biases ``gate_up_proj_bias`` / ``down_proj_bias``. The maps here de-interleave and transpose them into our
 stacked ``[E, out, in]`` experts, exactly both ways. Hub checkpoints store the two expert weights as MXFP4
-(``*_blocks``, ``*_scales``; see :mod:`lightning_moe.checkpoint.quantized`).
+(``*_blocks``, ``*_scales``; see :mod:`lightning_moe.io.quantized`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from lightning_moe.models.families.common import (
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
+    llama_style_attention,
+    llama_style_model,
     sliding_window_from_hf,
 )
-from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 from lightning_moe.models.families.qwen2 import sliding_window_to_hf
 
 ARCH = "GptOssForCausalLM"

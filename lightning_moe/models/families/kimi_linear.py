@@ -30,9 +30,15 @@ from lightning_moe.models.config import (
     RopeConfig,
 )
 from lightning_moe.models.families.base import Family, TensorMap, require
-from lightning_moe.models.families.common import LayerNames, base_hf_config, mlp_maps, moe_maps
-from lightning_moe.models.families.deepseek_v3 import BIAS_UPDATE_RATE, mla_maps
-from lightning_moe.models.families.llama import llama_style_model
+from lightning_moe.models.families.common import (
+    BIAS_UPDATE_RATE,
+    LayerNames,
+    base_hf_config,
+    llama_style_model,
+    mla_maps,
+    mlp_maps,
+    moe_maps,
+)
 
 ARCH = "KimiLinearForCausalLM"
 MIXERS = {"linear_attention": "K", "full_attention": "*"}

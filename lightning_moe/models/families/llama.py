@@ -4,54 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig
+from lightning_moe.models.config import MLPConfig, ModelConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
 from lightning_moe.models.families.common import (
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
+    llama_style_attention,
     llama_style_layer_maps,
-    rope_from_hf,
+    llama_style_model,
 )
 
 ARCH = "LlamaForCausalLM"
-
-
-def check_silu(hf: dict[str, Any], architecture: str, key: str = "hidden_act") -> None:
-    act = hf.get(key, "silu")
-    if act != "silu":
-        raise ValueError(f"config.json ({architecture}): {key}={act!r} is not supported (silu)")
-
-
-def llama_style_attention(hf: dict[str, Any], architecture: str, **overrides: Any) -> AttentionConfig:
-    heads = require(hf, "num_attention_heads", architecture)
-    head_dim = hf.get("head_dim") or require(hf, "hidden_size", architecture) // heads
-    att = AttentionConfig(
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        rope=rope_from_hf(hf, architecture),
-    )
-    for key, value in overrides.items():
-        setattr(att, key, value)
-    return att
-
-
-def llama_style_model(hf: dict[str, Any], family: str, architecture: str, pattern: str,
-                      attention: AttentionConfig, **kwargs: Any) -> ModelConfig:
-    check_silu(hf, architecture)
-    return ModelConfig(
-        family=family,
-        vocab_size=require(hf, "vocab_size", architecture),
-        hidden_size=require(hf, "hidden_size", architecture),
-        pattern=pattern,
-        attention=attention,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        init_std=hf.get("initializer_range", 0.02),
-        **kwargs,
-    )
 
 
 class Llama(Family):

@@ -26,7 +26,7 @@ MTP: ``model.mtp.layers.{d}`` (``num_nextn_predict_layers``, or as many as the c
 ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm`` and one sliding-window attention layer with a dense MLP
 (``input_layernorm``, ``self_attn``, ``pre_mlp_layernorm``, ``mlp``).
 
-Hub quantization (:mod:`lightning_moe.checkpoint.quantized`): V2.5-Pro stores every linear but ``o_proj``, the
+Hub quantization (:mod:`lightning_moe.io.quantized`): V2.5-Pro stores every linear but ``o_proj``, the
 router and ``eh_proj`` as 128x128 FP8 blocks (``fp8-block``), the fused QKV's shards each on their own tile grid;
 V2.6 (``store_dtype: mxfp4``, ``fp8-mxfp4`` here) stores the routed experts as MXFP4 instead. The omni checkpoints'
 vision and audio towers have no module here: import skips them, and says so.
@@ -41,9 +41,15 @@ import torch
 
 from lightning_moe.models.config import AttentionConfig, MLPConfig, ModelConfig, MTPConfig, RopeConfig
 from lightning_moe.models.families.base import Family, TensorMap, require
-from lightning_moe.models.families.common import LayerNames, embedding_maps, mlp_maps, moe_maps
-from lightning_moe.models.families.deepseek_v3 import prefixed, sigmoid_moe_from_hf
-from lightning_moe.models.families.llama import llama_style_model
+from lightning_moe.models.families.common import (
+    LayerNames,
+    embedding_maps,
+    llama_style_model,
+    mlp_maps,
+    moe_maps,
+    prefixed,
+    sigmoid_moe_from_hf,
+)
 
 ARCH = "MiMoV2ForCausalLM"
 FUSED = "fused_qkv"

@@ -13,10 +13,11 @@ from lightning_moe.models.families.common import (
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
+    llama_style_attention,
     llama_style_layer_maps,
+    llama_style_model,
     sliding_window_from_hf,
 )
-from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 
 ARCH = "MixtralForCausalLM"
 NAMES = LayerNames(ffn="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2")

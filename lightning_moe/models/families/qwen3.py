@@ -10,10 +10,11 @@ from lightning_moe.models.families.common import (
     base_hf_config,
     check_llama_style_pattern,
     embedding_maps,
+    llama_style_attention,
     llama_style_layer_maps,
+    llama_style_model,
     qwen_sliding_window_from_hf,
 )
-from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 from lightning_moe.models.families.qwen2 import sliding_window_to_hf
 
 ARCH = "Qwen3ForCausalLM"

@@ -13,8 +13,8 @@ from lightning_moe.models.families.common import (
     check_llama_style_pattern,
     embedding_maps,
     llama_style_layer_maps,
+    llama_style_model,
 )
-from lightning_moe.models.families.llama import llama_style_model
 from lightning_moe.models.families.qwen2 import sliding_window_to_hf
 from lightning_moe.models.families.qwen3 import qwen3_attention
 

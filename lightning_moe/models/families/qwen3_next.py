@@ -31,11 +31,12 @@ from lightning_moe.models.families.common import (
     aux_loss_coeff_to_hf,
     base_hf_config,
     embedding_maps,
+    llama_style_attention,
+    llama_style_model,
     mlp_maps,
     moe_maps,
+    prefixed,
 )
-from lightning_moe.models.families.deepseek_v3 import prefixed
-from lightning_moe.models.families.llama import llama_style_attention, llama_style_model
 
 ARCH = "Qwen3NextForCausalLM"
 MIXERS = {"linear_attention": "G", "full_attention": "*"}

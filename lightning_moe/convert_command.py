@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
+from lightning_moe.dtypes import FLOAT_DTYPES
 
 # each command imports what it runs inside its function: the CLI and every tool start without loading the rest
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
                      "layout; each rank reads its experts and tensors only and writes a distributed checkpoint")
     imp.add_argument("--out", required=True, help="output directory")
     imp.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
-    imp.add_argument("--dequantize-dtype", choices=sorted(DTYPES), default="bfloat16",
+    imp.add_argument("--dequantize-dtype", choices=sorted(FLOAT_DTYPES), default="bfloat16",
                      help="dtype of quantized hub weights (FP8 blocks, MXFP4) after import")
     imp.add_argument("--overwrite", action="store_true")
 
@@ -35,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--ckpt", required=True, help="an imported checkpoint directory, or a run's Lightning checkpoint "
                      "(.ckpt file or distributed directory: native, LoRA (exported merged) or model: {hf: ...})")
     exp.add_argument("--out", required=True, help="output directory")
-    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    exp.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="cast floating tensors (default: keep)")
     exp.add_argument("--quantize", choices=["fp8-block", "mxfp4", "fp8-mxfp4"], default=None,
                      help="write the hub's quantized layout (DeepSeek-V3 / MiMo-V2.5 block FP8, GPT-OSS MXFP4 "
                           "experts, MiMo-V2.6 FP8 with MXFP4 experts)")
@@ -50,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="Lightning checkpoint of a run with `peft` settings (.ckpt file or distributed directory)")
     lora.add_argument("--adapter-out", default=None, help="output directory of the PEFT adapter")
     lora.add_argument("--merged-out", default=None, help="output directory of the merged Hugging Face model")
-    lora.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: keep)")
+    lora.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default=None, help="cast floating tensors (default: keep)")
     lora.add_argument("--overwrite", action="store_true")
 
     ver = sub.add_parser("verify", help="compare two Hugging Face directories tensor by tensor")
@@ -118,15 +117,15 @@ def main(argv: list[str] | None = None) -> int:
 
                 out = dc.import_hf_checkpoint_distributed(
                     hf_dir, args.out, dc.ConversionLayout.of_process_group(args.ep), overwrite=args.overwrite,
-                    dequantize_dtype=DTYPES[args.dequantize_dtype])
+                    dequantize_dtype=FLOAT_DTYPES[args.dequantize_dtype])
             else:
                 out = convert.import_hf_checkpoint(
                     hf_dir, args.out, max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                    dequantize_dtype=DTYPES[args.dequantize_dtype],
+                    dequantize_dtype=FLOAT_DTYPES[args.dequantize_dtype],
                 )
             print(f"imported {args.hf_path} -> {out}")
         elif args.action == "export":
-            from lightning_moe.checkpoint.run import is_run_checkpoint
+            from lightning_moe.io.run import is_run_checkpoint
             from lightning_moe.workflows.run_export import export_run
 
             if distributed(args.ep, "export", args.distributed_save):
@@ -137,14 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                                      f"Hugging Face directory; {args.ckpt} is a training run's checkpoint: export it "
                                      f"in one process")
                 out = dc.export_hf_checkpoint_distributed(
-                    args.ckpt, args.out, dc.ConversionLayout.of_process_group(args.ep), dtype=DTYPES.get(args.dtype),
+                    args.ckpt, args.out, dc.ConversionLayout.of_process_group(args.ep), dtype=FLOAT_DTYPES.get(args.dtype),
                     max_shard_bytes=args.max_shard_size, overwrite=args.overwrite, quantize=args.quantize)
             elif is_run_checkpoint(args.ckpt):
-                out = export_run(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), quantize=args.quantize,
+                out = export_run(args.ckpt, args.out, dtype=FLOAT_DTYPES.get(args.dtype), quantize=args.quantize,
                                  max_shard_bytes=args.max_shard_size, overwrite=args.overwrite)
             else:
                 out = convert.export_hf_checkpoint(
-                    args.ckpt, args.out, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
+                    args.ckpt, args.out, dtype=FLOAT_DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size,
                     overwrite=args.overwrite, quantize=args.quantize,
                 )
             print(f"exported {args.ckpt} -> {out}")
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             from lightning_moe.workflows.run_export import export_lora_run
 
             for out in export_lora_run(args.ckpt, adapter_out=args.adapter_out, merged_out=args.merged_out,
-                                       dtype=DTYPES.get(args.dtype), overwrite=args.overwrite):
+                                       dtype=FLOAT_DTYPES.get(args.dtype), overwrite=args.overwrite):
                 print(f"exported {args.ckpt} -> {out}")
         else:
             report = convert.verify_hf_checkpoints(args.reference, args.candidate)

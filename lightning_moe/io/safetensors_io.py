@@ -10,14 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lightning_moe.dtypes import SAFETENSORS_DTYPES
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
 
 
 class SafetensorsDir:
@@ -63,7 +60,7 @@ class SafetensorsDir:
         return tuple(self._open(self.files[name]).get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._open(self.files[name]).get_slice(name).get_dtype()]
+        return SAFETENSORS_DTYPES[self._open(self.files[name]).get_slice(name).get_dtype()]
 
     def get(self, name: str) -> torch.Tensor:
         try:

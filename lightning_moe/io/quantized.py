@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.safetensors_io import SafetensorsDir
+from lightning_moe.io.safetensors_io import SafetensorsDir
 
 FP8_BLOCK = "fp8-block"
 MXFP4 = "mxfp4"

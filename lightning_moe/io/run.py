@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.distributed import DistributedCheckpointState
-from lightning_moe.checkpoint.training import check_complete
+from lightning_moe.io.distributed import DistributedCheckpointState
+from lightning_moe.io.training import check_complete
 
 PREFIX = "model."
 # what Lightning's ModelParallelStrategy writes next to the shards: everything but weights and optimizer states

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe.checkpoint.training import check_complete
+from lightning_moe.io.training import check_complete
 
 # the top-level key under which Lightning saves the module's state dict
 STATE_DICT = "state_dict"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_moe.checkpoint.training import LIGHTNING_METADATA
+from lightning_moe.io.training import LIGHTNING_METADATA
 
 
 def flat_options(**kwargs):
