@@ -536,7 +536,7 @@ def check_expert_parallel_layout(cfg, dims, activation_checkpointing: str) -> No
 
     from lightning_moe.checkpoint.load import copy_tensors_into
     from lightning_moe.models.decoder import Decoder
-    from lightning_moe.parallel import parallelize
+    from lightning_moe.parallel import ParallelOptions, parallelize
 
     torch.manual_seed(0)
     reference = Decoder(cfg)
@@ -547,7 +547,7 @@ def check_expert_parallel_layout(cfg, dims, activation_checkpointing: str) -> No
 
     with torch.device("meta"):
         model = Decoder(cfg)
-    parallelize(model, dims, activation_checkpointing=activation_checkpointing)
+    parallelize(model, dims, ParallelOptions(activation_checkpointing=activation_checkpointing))
     model.to_empty(device="cpu")
     model.init_weights()
     copy_tensors_into(model, reference.state_dict().items())
