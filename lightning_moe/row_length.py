@@ -17,6 +17,12 @@ class RowLength:
     multiple: int | None = None
 
 
+def packed_rows(packing: str, packed_sequence_size: int, pad_seq_to_mult: int) -> RowLength:
+    """Rows packed to ``packed_sequence_size`` tokens, or with ``packing: none`` samples of at most that many,
+    each row padded to a multiple of ``pad_seq_to_mult`` (the SFT and vision-language modules)."""
+    return RowLength("packed_sequence_size", packed_sequence_size, pad_seq_to_mult if packing == "none" else None)
+
+
 def row_length(data: Any) -> RowLength | None:
     """What ``data`` states through its ``row_length()`` (the package's data modules: ``data/base.py``); a data
     module of another package is read by the settings the package's modules use (``seq_length``, else

@@ -33,7 +33,7 @@ from lightning_moe.data.vision_text import (
     load_vision_processor,
     pack_samples,
 )
-from lightning_moe.row_length import RowLength
+from lightning_moe.row_length import RowLength, packed_rows
 
 log = logging.getLogger(__name__)
 IMAGE_COLUMN = "image_id"
@@ -127,8 +127,7 @@ class MedPixDataModule(BaseDataModule):
         self.skipped: dict[str, Counter] = {}
 
     def row_length(self) -> RowLength:
-        unpacked = self.packing == "none"
-        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
+        return packed_rows(self.packing, self.packed_sequence_size, self.pad_seq_to_mult)
 
     @property
     def processor(self) -> VisionTextProcessor:

@@ -31,7 +31,7 @@ from lightning_moe.data.packed_parquet import (
 )
 from lightning_moe.data.sources import load_source, source_fingerprint
 from lightning_moe.data.tokenizer import load_tokenizer, pad_token_id, tokenizer_fingerprint
-from lightning_moe.row_length import RowLength
+from lightning_moe.row_length import RowLength, packed_rows
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "lightning_moe", "packed")
@@ -254,8 +254,7 @@ class SFTDataModule(BaseDataModule):
         self.test_dataset_packed: PackedDataset | None = None
 
     def row_length(self) -> RowLength:
-        unpacked = self.packing == "none"
-        return RowLength("packed_sequence_size", self.packed_sequence_size, self.pad_seq_to_mult if unpacked else None)
+        return packed_rows(self.packing, self.packed_sequence_size, self.pad_seq_to_mult)
 
     @property
     def tokenizer(self) -> Any:
