@@ -206,9 +206,9 @@ def test_validate_and_test_on_sft_data_leave_the_fit_card(runs):
     common = ("--config", "configs/quickstart.yaml", "--config", str(runs["base"] / "overlay.yaml"),
               "--trainer.default_root_dir", str(root), "--data.init_args.val_dataset", "data/tulu3_sample.jsonl",
               "--data.init_args.val_split", "train[:40]", "--data.init_args.cache_dir", str(root / "cache"))
-    validate = cli("validate", *common, "--ckpt_path", str(ckpt))
-    test = cli("test", *common, "--ckpt_path", "last")  # the test split defaults to the validation rows
-    validate, test = finish(validate), finish(test)
+    # one after the other: two runs started together under one root can take the same logger version
+    validate = finish(cli("validate", *common, "--ckpt_path", str(ckpt)))
+    test = finish(cli("test", *common, "--ckpt_path", "last"))  # the test split defaults to the validation rows
     assert "val/loss" in validate.stdout and "test/loss" in test.stdout
     val_loss = float(validate.stdout.split("val/loss")[1].split()[1])
     test_loss = float(test.stdout.split("test/loss")[1].split()[1])
