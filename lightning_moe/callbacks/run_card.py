@@ -31,7 +31,7 @@ from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render
 from lightning_moe.callbacks.health import HealthCheck
 from lightning_moe.callbacks.memory import PeakMemory
 from lightning_moe.callbacks.preemption import Preempted, Preemption
-from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
+from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, reports_on_read, step_loss
 from lightning_moe.callbacks.throughput import Throughput
 from lightning_moe.checkpoint.atomic import atomic_write_text
 from lightning_moe.kernels import kernel_checks
@@ -179,9 +179,15 @@ class RunCard(StepEndCallback):
             self.started = time.time()
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        if reports_on_read(pl_module):
+            return  # the losses come with on_steps_read
         loss = step_loss(trainer, pl_module, outputs)
         if loss is not None:
             self.losses.add(trainer.global_step, loss)
+
+    def on_steps_read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stats: list) -> None:
+        for step in stats:
+            self.losses.add(step.step, step.loss)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write(trainer, pl_module, end_status(trainer))

@@ -11,7 +11,8 @@ are no longer queued. One of them can be seen on a CPU too, by the operations th
 
 Values a read has already brought to the host are host values: a copy made by ``.cpu()`` / ``.to("cpu")``, a
 ``torch.tensor`` made without a device, and what is computed from those alone; reading them again is not counted
-(Lightning keeps logged host values in tensors and calls ``.item()`` on them).
+(Lightning keeps logged host values in tensors and calls ``.item()`` on them). A collective's result is where its
+input was: a host tensor is all-reduced on the host (gloo), a device tensor on the device.
 
 Use :func:`count_host_syncs` around any code, or the :class:`HostSyncCounter` callback during ``fit``: it gives the
 syncs of every optimizer step and their mean over the steady state.

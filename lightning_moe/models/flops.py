@@ -27,30 +27,31 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.config import BLOCK_SYMBOLS, AttentionConfig, ModelConfig
 from lightning_moe.models.layers.delta_rule import solve_flops
-from lightning_moe.models.layers.loss import IGNORE_INDEX
-from lightning_moe.models.layers.mtp import shift_left
-from lightning_moe.models.layers.sequence import SequenceLayout
 
 
 @dataclass(frozen=True)
 class Sequences:
-    """The sequences one forward pass runs over: their lengths (1-D int64 on the CPU)."""
+    """The sequences one forward pass runs over: their lengths (1-d int64, a host array)."""
 
-    lengths: torch.Tensor
+    lengths: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", np.asarray(self.lengths, dtype=np.int64))
 
     @classmethod
     def of_length(cls, seq_len: int, count: int = 1) -> Sequences:
-        return cls(torch.full((count,), seq_len, dtype=torch.int64))
+        return cls(np.full((count,), seq_len, dtype=np.int64))
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> Sequences:
         """Every packed sequence of a ``[batch, seq]`` batch (a new one wherever positions restart at 0)."""
-        layout = SequenceLayout(position_ids, packed=True)
-        return cls(layout.cu_seqlens.diff().to(device="cpu", dtype=torch.int64))
+        return cls(BatchLayout(position_ids.cpu().numpy()).sequence_lengths)
 
     @property
     def tokens(self) -> int:
@@ -59,7 +60,7 @@ class Sequences:
     def causal_pairs(self, window: int | None = None) -> int:
         """Query-key pairs that causal attention (limited to ``window`` keys) scores, summed over sequences."""
         lengths = self.lengths
-        head = lengths if window is None else torch.clamp(lengths, max=window)
+        head = lengths if window is None else np.minimum(lengths, window)
         # query i (from 1) sees min(i, window) keys: 1..head, then ``window`` for each query after the head
         return int((head * (head + 1) // 2 + (lengths - head) * (window or 0)).sum())
 
@@ -178,7 +179,7 @@ def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
     full, rest = seqs.lengths // chunk, seqs.lengths % chunk
     square = int((full * chunk**2 + rest**2).sum())
     solves = int(full.sum()) * solve_flops(chunk, dk + dv) + sum(solve_flops(r, dk + dv) for r in rest.tolist() if r)
-    carried = int(((full + (rest > 0) - 1).clamp(min=0) * chunk).sum())  # tokens of chunks that read a state
+    carried = int((np.maximum(full + (rest > 0) - 1, 0) * chunk).sum())  # tokens of chunks that read a state
     per_head = square * (2 * 2 * dk + 2 * dv) + solves + 3 * 2.0 * carried * dk * dv
     return la.num_v_heads * per_head
 
@@ -258,14 +259,14 @@ def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int
 def output_token_counts(cfg: ModelConfig, position_ids: torch.Tensor, labels: torch.Tensor) -> list[int]:
     """Tokens each output head scores: labelled tokens, and for MTP depth ``d`` those whose target ``d``
     tokens ahead is labelled and in the same packed sequence."""
-    counts = [(labels != IGNORE_INDEX).sum()]
-    depths = mtp_depths(cfg)
-    if depths:
-        docs = SequenceLayout(position_ids, packed=True).document_ids
-        for d in range(1, depths + 1):
-            target = shift_left(labels, d, IGNORE_INDEX)
-            counts.append(((target != IGNORE_INDEX) & (shift_left(docs, d, -1) == docs)).sum())
-    return [int(c) for c in torch.stack(counts).tolist()]
+    return BatchLayout(position_ids.cpu().numpy(), labels.cpu().numpy()).output_token_counts(mtp_depths(cfg))
+
+
+def layout_flops(cfg: ModelConfig, layout: BatchLayout, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) of one micro-batch from its host layout (its real packed sequence
+    lengths and label counts); without labels every token is scored by every output head."""
+    outputs = None if layout.labels is None else layout.output_token_counts(mtp_depths(cfg))
+    return forward_flops(cfg, Sequences(layout.sequence_lengths), outputs).training(trainable_fraction)
 
 
 def batch_flops(
@@ -274,13 +275,9 @@ def batch_flops(
     labels: torch.Tensor | None = None,
     trainable_fraction: float = 1.0,
 ) -> float:
-    """Training FLOPs (forward + backward) of one micro-batch, from its real packed sequence lengths.
-
-    Without ``labels`` every token is scored by every output head.
-    """
-    seqs = Sequences.from_position_ids(position_ids)
-    outputs = None if labels is None else output_token_counts(cfg, position_ids, labels)
-    return forward_flops(cfg, seqs, outputs).training(trainable_fraction)
+    """:func:`layout_flops` of a micro-batch given by its tensors (read back to the host)."""
+    layout = BatchLayout(position_ids.cpu().numpy(), None if labels is None else labels.cpu().numpy())
+    return layout_flops(cfg, layout, trainable_fraction)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, trainable_fraction: float = 1.0) -> float:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -89,7 +90,7 @@ class CountedFlops:
         """Training FLOPs of one micro-batch, from its real packed sequence lengths."""
         if self._fit is None:
             self.fit(position_ids.shape[-1])
-        lengths = Sequences.from_position_ids(position_ids).lengths.double()
+        lengths = Sequences.from_position_ids(position_ids).lengths.astype(np.float64)
         fa, fb, ba, bb = self._fit
         forward = float((fa * lengths + fb * lengths**2).sum())
         backward = float((ba * lengths + bb * lengths**2).sum())
