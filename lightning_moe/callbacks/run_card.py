@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
+from lightning_moe.callbacks.comm_card import comm_bytes_per_step
 from lightning_moe.callbacks.health import HealthCheck
 from lightning_moe.callbacks.memory import PeakMemory
 from lightning_moe.callbacks.preemption import Preempted, Preemption
@@ -220,6 +221,8 @@ class RunCard(StepEndCallback):
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             "parallel_sizes": getattr(trainer.strategy, "parallel_sizes", None),
+            # what one rank's collectives handle per optimizer step, by kind and mesh dimension
+            "comm_bytes_per_step": comm_bytes_per_step(trainer, pl_module),
             "strategy": type(trainer.strategy).__name__,
             # schedule, pp, vp, the split and the measured bubble fraction of a pipelined run
             "pipeline": pipeline.summary() if pipeline is not None else None,
