@@ -24,13 +24,13 @@ STEPS, LOG_EVERY, TARGET = 20, 10, 2
 
 
 def fit_counting(config: str, root: Path, *overrides: str, steps: int = STEPS) -> dict:
-    """Train ``config`` through the command line under a HostSyncCounter; its report."""
-    report = root / "host_syncs.json"
+    """Train ``config`` through the command line under a HostSyncCounter; its report (rank 0's)."""
+    report = root / "host_syncs_{rank}.json"
     cli_main(["fit", "--config", config, f"--trainer.max_steps={steps}", f"--trainer.log_every_n_steps={LOG_EVERY}",
               f"--trainer.default_root_dir={root}", "--trainer.enable_checkpointing=false",
               "--trainer.callbacks+=lightning_moe.debug.host_syncs.HostSyncCounter",
               f"--trainer.callbacks.report={report}", *overrides])
-    return json.loads(report.read_text())
+    return json.loads((root / "host_syncs_0.json").read_text())
 
 
 def test_counter_sees_each_kind_of_sync_and_not_host_values():
@@ -86,8 +86,9 @@ def _fit_parallel(root: str) -> None:
 @pytest.mark.distributed
 def test_fit_syncs_per_step_with_expert_and_pipeline_parallelism(tmp_path):
     run_distributed_test(_fit_parallel, 2, str(tmp_path), init_process_group=False)
-    ep = json.loads((tmp_path / "ep" / "host_syncs.json").read_text())
     moe_layers, micro_batches = 2, 1
-    assert ep["steady_state"] <= TARGET + moe_layers * micro_batches, ep["sites"]
-    pp = json.loads((tmp_path / "pp" / "host_syncs.json").read_text())
-    assert pp["steady_state"] <= TARGET, pp["sites"]
+    for rank in range(2):  # every rank's steps
+        ep = json.loads((tmp_path / "ep" / f"host_syncs_{rank}.json").read_text())
+        assert ep["steady_state"] <= TARGET + moe_layers * micro_batches, (rank, ep["sites"])
+        pp = json.loads((tmp_path / "pp" / f"host_syncs_{rank}.json").read_text())
+        assert pp["steady_state"] <= TARGET, (rank, pp["sites"])

@@ -197,8 +197,7 @@ class Throughput(StepEndCallback):
                 label_tokens += layout.label_tokens()
             if self.counted_flops is not None:
                 try:
-                    flops += self.counted_flops.batch_flops(torch.from_numpy(layout.position_ids),
-                                                            self.trainable_fraction)
+                    flops += self.counted_flops.batch_flops(layout.position_ids, self.trainable_fraction)
                     continue
                 except Exception as error:  # noqa: BLE001  (a model the fake step cannot run: said in the run card)
                     self.counted_flops = None

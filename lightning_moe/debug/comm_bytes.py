@@ -61,7 +61,7 @@ class _CommCounter(TorchDispatchMode):
             kind, counted, group = C10D[name]
             group_name = torch._C._distributed_c10d.ProcessGroup.unbox(args[group]).group_name
             self._add(kind, group_name, _bytes(args[counted]))
-        elif func.namespace == "_c10d_functional" and name in FUNCTIONAL:
+        elif func.namespace in ("_c10d_functional", "_c10d_functional_autograd") and name in FUNCTIONAL:
             kind, counted, group = FUNCTIONAL[name]
             self._add(kind, args[group], _bytes(out if counted is None else args[counted]))
         return out

@@ -172,8 +172,9 @@ class HostSyncCounter(pl.Callback):
 
     Args:
         warmup_steps: first steps left out of :meth:`steady_state` (compilation, first-step setup).
-        report: a JSON file written at the end of training (global rank 0): the syncs of every step, the
-            steady-state mean and where the steady state's syncs come from.
+        report: a JSON file written at the end of training: the syncs of every step, the steady-state mean and
+            where the steady state's syncs come from; by global rank 0, or by every rank when the path holds
+            ``{rank}`` (replaced by the rank).
     """
 
     def __init__(self, warmup_steps: int = 2, report: str | None = None) -> None:
@@ -207,12 +208,13 @@ class HostSyncCounter(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
-        if self.report is not None and trainer.is_global_zero:
+        if self.report is not None and ("{rank}" in self.report or trainer.is_global_zero):
             summary = {"per_step": self.per_step, "warmup_steps": self.warmup_steps,
                        "steady_state": self.steady_state() if len(self.per_step) > self.warmup_steps else None,
                        "sites": dict(self.steady_sites().most_common())}
-            Path(self.report).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.report).write_text(json.dumps(summary, indent=2) + "\n")
+            path = Path(self.report.replace("{rank}", str(trainer.global_rank)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(summary, indent=2) + "\n")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()

@@ -42,6 +42,12 @@ class BatchLayout:
     def __repr__(self) -> str:
         return f"BatchLayout(shape={self.position_ids.shape}, packed={self.packed})"
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[batch, seq] of this rank's columns."""
+        rows, seq = self.position_ids.shape
+        return rows, seq if self.columns is None else len(self.columns)
+
     def shard(self, columns: np.ndarray) -> BatchLayout:
         """The layout of this rank's columns of every row (context parallelism)."""
         return BatchLayout(self.position_ids, self.labels, np.asarray(columns))

@@ -49,9 +49,11 @@ class Sequences:
         return cls(np.full((count,), seq_len, dtype=np.int64))
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor) -> Sequences:
+    def from_position_ids(cls, position_ids: torch.Tensor | np.ndarray) -> Sequences:
         """Every packed sequence of a ``[batch, seq]`` batch (a new one wherever positions restart at 0)."""
-        return cls(BatchLayout(position_ids.cpu().numpy()).sequence_lengths)
+        if isinstance(position_ids, torch.Tensor):
+            position_ids = position_ids.cpu().numpy()
+        return cls(BatchLayout(position_ids).sequence_lengths)
 
     @property
     def tokens(self) -> int:

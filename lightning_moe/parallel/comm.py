@@ -7,8 +7,8 @@ reduce-scatter's input, an all-to-all's input), by kind and mesh dimension:
 - FSDP2 (``fsdp`` mesh; the experts of expert-parallel MoE layers on ``expert_fsdp``): per micro-batch and FSDP
   unit (each block, each MTP depth, the root with the embedding, final norm and output layer) one all-gather in
   forward, one more in backward for the blocks (they are resharded after forward, the root is not), and one
-  reduce-scatter of the gradients. A parameter's shard is ``ceil(rows / ranks)`` rows of it (FSDP pads the last);
-  all-gathers move ``param_dtype``, reduce-scatters ``reduce_dtype``.
+  reduce-scatter of the gradients (none over a mesh of one rank). A parameter's shard is ``ceil(rows / ranks)``
+  rows of it (FSDP pads the last); all-gathers move ``param_dtype``, reduce-scatters ``reduce_dtype``.
 - Expert parallelism (``ep`` mesh), per MoE layer and micro-batch: the per-expert counts (int64), the token copies
   out and the expert outputs back, and both again in backward; a checkpointed block runs its forward again in
   backward, the copies' exchanges included (the counts are not exchanged again: ``parallel/expert.py``). Token
@@ -85,6 +85,8 @@ def model_comm_bytes(config: ModelConfig, dims, shape: StepShape) -> dict[tuple[
             if expert_ids:
                 units.append(("expert_fsdp", experts, expert_ranks, dims.ep))
             for mesh, params, ranks, split in units:
+                if ranks == 1:  # FSDP gathers and reduces nothing over one rank
+                    continue
                 total[("all_gather", mesh)] += 2 * m * _shard_bytes(params, ranks, gather, split)
                 total[("reduce_scatter", mesh)] += m * _shard_bytes(params, ranks, reduce, split)
         root = [p for p in model.parameters() if id(p) not in in_blocks]

@@ -38,6 +38,7 @@ class AllToAllDispatcher(TokenDispatcher):
         # the splits of this step's forwards, in order, for the recomputation of checkpointed forwards
         self._kept: deque = deque()
 
+    @torch.compiler.disable  # host bookkeeping: compiled blocks call it eagerly
     def _splits(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """``received`` ([ranks, local experts]: rows that rank r sends to local expert e of this rank) and the
         send / receive split sizes, read to the host: all-to-all-v needs them there, one host sync per forward

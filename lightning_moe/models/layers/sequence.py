@@ -49,9 +49,10 @@ class SequenceLayout:
             raise ValueError(
                 f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        if host is not None and host.position_ids.shape[0] != position_ids.shape[0]:
-            raise ValueError(f"the batch layout has {host.position_ids.shape[0]} rows, position_ids "
-                             f"{position_ids.shape[0]}")
+        if host is not None and host.shape != tuple(position_ids.shape):
+            raise ValueError(f"the batch's layout describes a {host.shape} batch, position_ids are "
+                             f"{tuple(position_ids.shape)}: a batch changed after collate needs its layout remade "
+                             f"(lightning_moe.models.batch_layout.BatchLayout) or dropped")
         return cls(position_ids, host=host)
 
     # computed on first use and kept in ``_cache`` (not ``functools.cached_property``: its lock stops
