@@ -38,16 +38,18 @@ def test_counter_sees_each_kind_of_sync_and_not_host_values():
     with count_host_syncs() as log:
         x[0].item(), bool(x[1]), float(x[2]), x.tolist(), x.numpy(), torch.equal(x, x)
         x[x > 1], torch.nonzero(x), torch.bincount(counts), torch.repeat_interleave(x[:3], counts, dim=0)
-        torch.tensor(1.0, device="cpu")
-        host = x.to("cpu", copy=True)
+        torch.tensor(1.0, device="cpu"), x.cpu()
+        x.to("cpu"), x.to(torch.float64)  # on a CPU these copy nothing off a device
     kinds = [kind for kind, _ in log.events]
     assert kinds.count("scalar read") == 4
     assert {"device-to-host copy (tolist)", "device-to-host copy (numpy)", "boolean mask index", "nonzero",
             "bincount", "repeat_interleave without output_size", "host-to-device copy (torch.tensor)",
-            "device-to-host copy (to)"} <= set(kinds)
+            "device-to-host copy (cpu)"} <= set(kinds)
+    assert len(kinds) == 12, log.events
     assert all(site.startswith("tests/test_host_syncs.py:") for _, site in log.events), log.events
     with count_host_syncs() as quiet:
-        host[0].item(), host.clone().sum().item(), torch.tensor([2.0])[0].item()  # host values: no sync
+        host = torch.tensor([1.0, 2.0])  # from Python numbers: a host tensor
+        host[0].item(), host.clone().sum().item(), host.to(torch.float64).tolist()  # host values: no sync
         torch.repeat_interleave(x[:3], counts, dim=0, output_size=6)
         torch.zeros(3, dtype=torch.long).scatter_add_(0, counts - 1, torch.ones_like(counts))
     assert quiet.events == []

@@ -4,13 +4,13 @@ On a GPU each of these drains the stream: the CPU stops running ahead, prefetche
 are no longer queued. One of them can be seen on a CPU too, by the operations that cause it:
 
 - reading values back: ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``),
-  ``torch.equal``, and ``Tensor.tolist()`` / ``.numpy()`` / ``.cpu()`` / ``.to("cpu")``;
+  ``torch.equal``, and ``Tensor.tolist()`` / ``.numpy()`` / ``.cpu()``, ``.to("cpu")`` of an accelerator's tensor;
 - operations whose output shape depends on values: ``nonzero``, ``masked_select``, ``bincount``, ``unique``,
   ``repeat_interleave`` without ``output_size``, indexing with a boolean mask;
 - ``torch.tensor(host data, device=...)``: a blocking host-to-device copy.
 
 Values a read has already brought to the host are host values: a copy made by ``.cpu()`` / ``.to("cpu")``, a
-``torch.tensor`` made without a device, and what is computed from those alone; reading them again is not counted
+``torch.tensor`` made without a device (from Python numbers: the host's), and what is computed from those alone; reading them again is not counted
 (Lightning keeps logged host values in tensors and calls ``.item()`` on them). A collective's result is where its
 input was: a host tensor is all-reduced on the host (gloo), a device tensor on the device.
 
@@ -103,7 +103,7 @@ def _bool_index(indices: Any) -> bool:
 class _DispatchCounter(TorchDispatchMode):
     def __init__(self, log: SyncLog, host: _HostValues) -> None:
         super().__init__()
-        self.log, self.host = log, host
+        self.sync_log, self.host = log, host
 
     def _kind(self, func, args, kwargs) -> str | None:
         packet = func.overloadpacket
@@ -122,7 +122,7 @@ class _DispatchCounter(TorchDispatchMode):
         host = self.host.all_host((args, kwargs))
         kind = None if host else self._kind(func, args, kwargs)
         if kind is not None:
-            self.log.events.append((kind, _site()))
+            self.sync_log.events.append((kind, _site()))
         out = func(*args, **kwargs)
         if host:
             self.host.add(out)
@@ -132,30 +132,33 @@ class _DispatchCounter(TorchDispatchMode):
 class _FunctionCounter(TorchFunctionMode):
     def __init__(self, log: SyncLog, host: _HostValues) -> None:
         super().__init__()
-        self.log, self.host = log, host
+        self.sync_log, self.host = log, host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         out = func(*args, **kwargs)
-        if name in DEVICE_TO_HOST or (name == "to" and _to_cpu(args, kwargs)):
+        if name in DEVICE_TO_HOST or (name == "to" and _device_to_host(args, kwargs)):
             if not self.host.all_host(args[:1]):
-                self.log.events.append((f"device-to-host copy ({name})", _site()))
+                self.sync_log.events.append((f"device-to-host copy ({name})", _site()))
             if out is not args[0]:  # on a CPU ``.cpu()`` returns the tensor itself, still a device value
                 self.host.add(out)
         elif func in (torch.tensor, torch.as_tensor) and not isinstance(args[0] if args else None, torch.Tensor):
             if kwargs.get("device") is not None:
-                self.log.events.append(("host-to-device copy (torch.tensor)", _site()))
+                self.sync_log.events.append(("host-to-device copy (torch.tensor)", _site()))
             else:
                 self.host.add(out)
         return out
 
 
-def _to_cpu(args: tuple, kwargs: dict) -> bool:
+def _device_to_host(args: tuple, kwargs: dict) -> bool:
+    """``tensor.to(...)`` copies a tensor off an accelerator to the CPU. (On a CPU run ``.to(device)`` is no copy:
+    only ``.cpu()``, ``.tolist()``, ``.numpy()`` and reads count there.)"""
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    if isinstance(target, (str, torch.device)):
-        return torch.device(target).type == "cpu"
-    return False
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if source is None or source.device.type == "cpu" or not isinstance(target, (str, torch.device)):
+        return False
+    return torch.device(target).type == "cpu"
 
 
 @contextlib.contextmanager
@@ -180,7 +183,7 @@ class HostSyncCounter(pl.Callback):
     def __init__(self, warmup_steps: int = 2, report: str | None = None) -> None:
         self.warmup_steps = warmup_steps
         self.report = report
-        self.log = SyncLog()
+        self.sync_log = SyncLog()
         self.per_step: list[int] = []  # syncs of optimizer step i + 1
         self.sites_per_step: list[Counter] = []
         self._context = None
@@ -189,15 +192,15 @@ class HostSyncCounter(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
-        self._context = count_host_syncs(self.log)
+        self._context = count_host_syncs(self.sync_log)
         self._context.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step > self._last_step:
             self._last_step = trainer.global_step
-            events = self.log.events[self._seen:]
-            self._seen = len(self.log.events)
+            events = self.sync_log.events[self._seen:]
+            self._seen = len(self.sync_log.events)
             self.per_step.append(len(events))
             self.sites_per_step.append(Counter(f"{kind} at {site}" for kind, site in events))
 
