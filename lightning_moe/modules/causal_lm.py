@@ -391,8 +391,9 @@ class CausalLM(L.LightningModule):
         for moe in self.model.modules():
             if isinstance(moe, MoE):
                 getattr(moe.dispatcher, "end_step", lambda: None)()
-        self.step_metrics.end_step(self.trainer.global_step)
-        if logging_step(self.trainer):
+        step = self.trainer.global_step + 1  # Lightning counts the step once this hook returns
+        self.step_metrics.end_step(step)
+        if logging_step(self.trainer, step):
             self._read_metrics(log=True)
 
     def on_train_end(self) -> None:
