@@ -266,7 +266,7 @@ class Throughput(StepEndCallback):
         if not self._unsummed:
             return
         counts = [c for _, _, c in self._unsummed]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self.world_size > 1:
             # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
             local = torch.tensor(counts, dtype=torch.float64, device=self.device)
             counts = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()

@@ -166,7 +166,7 @@ class CausalLM(L.LightningModule):
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
         self._pipeline = None  # the stages' schedule under pipeline parallelism (modules/pipeline_step.py)
-        self.step_stats: StepStats | None = None
+        self._step_stats: StepStats | None = None
         self._source = None
         self._attention_backend = None  # model.attention_backend of an HFModelConfig routed to the native path
         self._step_sums: dict[str, torch.Tensor] = {}
@@ -396,6 +396,18 @@ class CausalLM(L.LightningModule):
         if logging_step(self.trainer, step):
             self._read_metrics(log=True)
 
+    @property
+    def step_stats(self) -> StepStats | None:
+        """The figures of the last step, on the host. Reading it reads back the steps not read yet (a host sync
+        on a GPU); the package's callbacks take them at logging steps instead (``on_steps_read``)."""
+        if self.step_metrics.pending:
+            self._read_metrics(log=False)
+        return self._step_stats
+
+    @step_stats.setter
+    def step_stats(self, value: StepStats | None) -> None:
+        self._step_stats = value
+
     def on_train_end(self) -> None:
         self._read_metrics(log=False)  # the steps since the last logging step, for the callbacks' records
         if self._pipeline is not None:
@@ -408,7 +420,7 @@ class CausalLM(L.LightningModule):
         if not read:
             return
         stats = [step_stats_of(step, values) for step, values in read]
-        self.step_stats = stats[-1]
+        self._step_stats = stats[-1]
         if log:
             for name, value in read[-1][1].items():
                 if name not in UNLOGGED:
