@@ -8,8 +8,8 @@ are those of the whole tensor it makes or consumes on this rank:
 - all-gather: the gathered output; reduce-scatter: the input before scattering;
 - all-to-all: what this rank sends (its input).
 
-:func:`count_comm_bytes` gives ``{(kind, group name): [calls, bytes]}``; :func:`by_mesh_dim` names the groups by the
-mesh dimensions they belong to.
+:func:`count_comm_bytes` gives ``{(kind, process group name): [calls, bytes]}`` (a mesh dimension's group name is
+``mesh.get_group().group_name``; several dimensions may share one group).
 """
 
 from __future__ import annotations
@@ -78,13 +78,3 @@ def count_comm_bytes() -> Iterator[dict[tuple[str, str], list[int]]]:
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     with _CommCounter(counts):
         yield counts
-
-
-def by_mesh_dim(counts: dict[tuple[str, str], list[int]], meshes: dict[str, Any]) -> dict[tuple[str, str], list[int]]:
-    """``counts`` with each process group named by the first one-dimensional mesh of ``meshes`` (``{name: DeviceMesh}``)
-    whose group it is (its group name otherwise)."""
-    names = {}
-    for dim, mesh in meshes.items():
-        if mesh.ndim == 1:
-            names.setdefault(mesh.get_group().group_name, dim)
-    return {(kind, names.get(group, group)): value for (kind, group), value in counts.items()}
