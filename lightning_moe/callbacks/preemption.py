@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_moe.callbacks.step_end import StepEndCallback
 
@@ -115,6 +116,11 @@ class Preemption(StepEndCallback):
                 connector._original_handlers[signum] = previous
         align_batch_count(trainer)
         self._host_group = host_group()
+        loop = trainer.fit_loop.epoch_loop
+        if hasattr(loop, "_broadcast_sigterm_tensor"):
+            # Lightning agrees on its SIGTERM flag before every micro-batch through a device tensor it reads back (a
+            # host sync on a GPU); the same agreement over the host group
+            loop._broadcast_sigterm_tensor = lambda: broadcast_sigterm_on_host(trainer, self._host_group)
 
     def _agreed_signal(self) -> int:
         """The signal any rank received (0: none), the same on every rank. The flag is a host value, agreed over a
@@ -169,6 +175,17 @@ class Preemption(StepEndCallback):
                                    f"{(result.stderr or result.stdout).strip()}; the checkpoint is saved, resubmit "
                                    f"the job to resume")
         return job
+
+
+def broadcast_sigterm_on_host(trainer: pl.Trainer, group) -> None:
+    """Lightning's check, on every rank before a micro-batch, that rank 0 did not get a SIGTERM through Lightning's
+    own handler (which this callback replaces, so the flag stays unset unless something else sets it), with the
+    flag a host tensor broadcast over ``group``."""
+    flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
+    dist.broadcast(flag, src=0, group=group)
+    if flag.item() == 1:
+        dist.barrier(group=group)  # as Lightning: every rank gets here before any exits
+        raise SIGTERMException()
 
 
 def host_group():
