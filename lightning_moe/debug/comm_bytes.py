@@ -15,10 +15,13 @@ are those of the whole tensor it makes or consumes on this rank:
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -78,3 +81,48 @@ def count_comm_bytes() -> Iterator[dict[tuple[str, str], list[int]]]:
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     with _CommCounter(counts):
         yield counts
+
+
+class CommBytesCounter(pl.Callback):
+    """Counts the collective bytes of one optimizer step during ``fit`` (step ``step``, from its first micro-batch to
+    its end) and writes them to ``report`` (``{rank}`` in the path: every rank its own file) as
+    ``{"<kind> over <group>": [calls, bytes]}``, each group named by the mesh dimensions of the strategy's
+    ``parallel_dims`` that use it (``ep=fsdp`` when two share one)."""
+
+    def __init__(self, report: str, step: int = 3) -> None:
+        self.report, self.step = report, step
+        self._context = None
+        self.counts: dict = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._context is None and not self.counts and trainer.global_step == self.step - 1:
+            self._context = count_comm_bytes()
+            self.counts = self._context.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._context is not None and trainer.global_step == self.step:
+            self._context.__exit__(None, None, None)
+            self._context = None
+            names = group_names(trainer.strategy.parallel_dims)
+            table = {f"{kind} over {names.get(group, group)}": value for (kind, group), value in sorted(self.counts.items())}
+            path = Path(self.report.replace("{rank}", str(trainer.global_rank)))
+            if "{rank}" in self.report or trainer.is_global_zero:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(table, indent=2) + "\n")
+
+
+def group_names(dims) -> dict[str, str]:
+    """``{process group name: "dim" or "dim=dim"}`` for the one-dimensional meshes of ``dims``."""
+    import torch.distributed as dist
+
+    names: dict[str, list[str]] = {dist.group.WORLD.group_name: ["world"]}
+    for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "fsdp", "expert_fsdp", "dp_cp", "stage"):
+        try:
+            mesh = dims.mesh(dim)
+        except KeyError:
+            continue
+        if mesh.ndim == 1 and mesh.size() > 1:
+            names.setdefault(mesh.get_group().group_name, []).append(dim)
+    return {group: "=".join(dims) for group, dims in names.items()}
