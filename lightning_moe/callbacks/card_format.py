@@ -71,6 +71,7 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         ("Workload", card["workload"] or "n/a"),
         ("World size", f"{card['world_size']} ({card['num_nodes']} node(s), {card['strategy']})"),
         ("Parallel sizes", ", ".join(f"{k}={v}" for k, v in parallel.items()) if parallel else "n/a"),
+        ("Collective bytes per step (one rank)", _comm(card.get("comm_bytes_per_step"))),
         ("Global / micro batch size", f"{_number(card['global_batch_size'])} / {_number(card['micro_batch_size'])}"),
         ("Gradient accumulation", str(card["gradient_accumulation"])),
         ("Sequence length", _number(card["seq_length"])),
@@ -100,6 +101,14 @@ def _rows(card: dict[str, Any]) -> list[tuple[str, str]]:
         ("Started", card["started"]),
         ("Wall time", _number(card["wall_time_s"], ".1f", " s")),
     ]
+
+
+def _comm(counts: dict[str, Any] | None) -> str:
+    if not counts:
+        return "n/a" if counts is None else "none"
+    if "not counted" in counts:
+        return f"n/a ({counts['not counted']})"
+    return "<br>".join(f"{name}: {_number(size, ',d')} B" for name, size in counts.items())
 
 
 def _kernel_checks(checks: list[dict[str, Any]] | None) -> str:

@@ -2,8 +2,9 @@
 
 Gradients are checked in ``on_before_optimizer_step`` (after backward, before clipping and the update): each
 rank checks its local gradient shards, then the flag is all-reduced (MAX) so every rank takes the same
-decision. A non-finite loss gives non-finite gradients, so it is caught there too; the step's reported loss
-is checked again at the step's end, for the count and for ``stop``.
+decision: the step's one read of the device. A non-finite loss gives non-finite gradients, so it is caught there
+too; the step's reported loss is checked again when it is read back (at the step's end, or with the other steps'
+at a logging step), for the count and for ``stop``.
 
 A skipped step is a true skip: every gradient is set to None, so AdamW leaves those parameters and their
 moments untouched (no moment update, no weight decay, no step count). ``global_step`` and the learning-rate
@@ -19,7 +20,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.callbacks.step_end import StepEndCallback, is_finite, max_over_ranks, step_loss
+from lightning_moe.callbacks.step_end import (
+    StepEndCallback,
+    is_finite,
+    log_host,
+    max_over_ranks,
+    reports_on_read,
+    step_loss,
+)
+from lightning_moe.modules.step_metrics import logging_step
 
 
 def has_nonfinite_gradient(optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -66,12 +75,19 @@ class HealthCheck(StepEndCallback):
         self._record_nan(trainer, step, "gradients; update skipped")
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        loss = step_loss(trainer, pl_module, outputs)
-        if not is_finite(loss) and trainer.global_step not in self.nan_steps:
-            self._record_nan(trainer, trainer.global_step, f"loss ({loss}) with finite gradients; update applied")
-        pl_module.log("train/skipped_steps", float(len(self.skipped_steps)), on_step=True, on_epoch=False,
-                      batch_size=1)
-        pl_module.log("train/nan_steps", float(len(self.nan_steps)), on_step=True, on_epoch=False, batch_size=1)
+        if not reports_on_read(pl_module):
+            self._check_loss(trainer, trainer.global_step, step_loss(trainer, pl_module, outputs))
+        if logging_step(trainer):
+            log_host(pl_module, "train/skipped_steps", len(self.skipped_steps))
+            log_host(pl_module, "train/nan_steps", len(self.nan_steps))
+
+    def on_steps_read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stats: list) -> None:
+        for step in stats:
+            self._check_loss(trainer, step.step, step.loss)
+
+    def _check_loss(self, trainer: pl.Trainer, step: int, loss: float | None) -> None:
+        if not is_finite(loss) and step not in self.nan_steps:
+            self._record_nan(trainer, step, f"loss ({loss}) with finite gradients; update applied")
 
     def _record_nan(self, trainer: pl.Trainer, step: int, what: str) -> None:
         self.nan_steps.append(step)

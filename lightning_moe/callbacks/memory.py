@@ -1,7 +1,7 @@
 """Peak memory per optimizer step: CUDA allocated and reserved, and the process's resident set (RSS).
 
-CUDA peaks are reset after every step, so each logged value is the peak *of that step*; the run card gets the
-maximum over all steps and ranks. The process RSS (current, from /proc/self/statm) and its lifetime peak
+CUDA peaks are reset after every step, so each logged value (every ``log_every_n_steps``) is the peak *of that
+step*; the run card gets the maximum over all steps and ranks. The process RSS (current, from /proc/self/statm) and its lifetime peak
 (``getrusage``'s ``ru_maxrss``) are logged on every device: host memory matters with CPU offload and loaders.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_moe.callbacks.step_end import StepEndCallback, max_over_ranks
+from lightning_moe.callbacks.step_end import StepEndCallback, log_host, max_over_ranks
+from lightning_moe.modules.step_metrics import logging_step
 
 GIB = 1024**3
 
@@ -61,9 +62,12 @@ class PeakMemory(StepEndCallback):
         return values
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        # host readings (the allocator's counters, /proc), logged at logging steps
+        log = logging_step(trainer)
         for name, value in self.read().items():
             self.peaks[name] = max(value, self.peaks.get(name, 0.0))
-            pl_module.log(f"memory/{name}", value, on_step=True, on_epoch=False, batch_size=1)
+            if log:
+                log_host(pl_module, f"memory/{name}", value)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # every rank gets here: the card reports the largest rank

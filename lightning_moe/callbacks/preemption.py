@@ -6,7 +6,7 @@ either save in the middle of a gradient-accumulation window (its Slurm handler r
 so the saved step and the saved data position disagree) or stop without saving, with exit status 0.
 
 Here a signal only sets a flag. At the end of the optimizer step in flight (every rank agrees on the step: one
-all-reduce of the flag per step), the callback writes a complete checkpoint to Lightning's
+all-reduce of the host flag per step, over a gloo group, which never waits for the device), the callback writes a complete checkpoint to Lightning's
 ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, asks Slurm to requeue the job on the requeue signal
 (``scontrol requeue $SLURM_JOB_ID``, as Lightning does) and ends the run with :class:`Preempted`: exit status
 128 + the signal's number, and the run card records the signal and the step saved. A requeued Slurm job
@@ -27,10 +27,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_moe.callbacks.step_end import StepEndCallback, max_over_ranks
+from lightning_moe.callbacks.step_end import StepEndCallback
 
 
 class Preempted(SystemExit):
@@ -59,6 +61,7 @@ class Preemption(StepEndCallback):
         self.record: dict[str, Any] | None = None  # what the run card shows
         self._trainer: pl.Trainer | None = None
         self._previous: dict[int, Any] = {}
+        self._host_group = None
 
     # -- signals ---------------------------------------------------------------------------------------
     def signals(self, trainer: pl.Trainer) -> tuple[int, ...]:
@@ -112,6 +115,21 @@ class Preemption(StepEndCallback):
             if signum in connector._original_handlers:
                 connector._original_handlers[signum] = previous
         align_batch_count(trainer)
+        self._host_group = host_group()
+        loop = trainer.fit_loop.epoch_loop
+        if hasattr(loop, "_broadcast_sigterm_tensor"):
+            # Lightning agrees on its SIGTERM flag before every micro-batch through a device tensor it reads back (a
+            # host sync on a GPU); the same agreement over the host group
+            loop._broadcast_sigterm_tensor = lambda: broadcast_sigterm_on_host(trainer, self._host_group)
+
+    def _agreed_signal(self) -> int:
+        """The signal any rank received (0: none), the same on every rank. The flag is a host value, agreed over a
+        host (gloo) group: no step waits for the device to learn it."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.received or 0
+        flag = torch.tensor([self.received or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._host_group)
+        return int(flag.item())
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -123,8 +141,7 @@ class Preemption(StepEndCallback):
                 callback._last_global_step_saved = trainer.global_step
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
-        flag = torch.tensor([self.received or 0], device=trainer.strategy.root_device)
-        signum = int(max_over_ranks(flag).item())
+        signum = self._agreed_signal()
         if not signum or 0 < trainer.max_steps <= trainer.global_step:
             return  # no signal, or the run is done anyway
         path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
@@ -158,6 +175,25 @@ class Preemption(StepEndCallback):
                                    f"{(result.stderr or result.stdout).strip()}; the checkpoint is saved, resubmit "
                                    f"the job to resume")
         return job
+
+
+def broadcast_sigterm_on_host(trainer: pl.Trainer, group) -> None:
+    """Lightning's check, on every rank before a micro-batch, that rank 0 did not get a SIGTERM through Lightning's
+    own handler (which this callback replaces, so the flag stays unset unless something else sets it), with the
+    flag a host tensor broadcast over ``group``."""
+    flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
+    dist.broadcast(flag, src=0, group=group)
+    if flag.item() == 1:
+        dist.barrier(group=group)  # as Lightning: every rank gets here before any exits
+        raise SIGTERMException()
+
+
+def host_group():
+    """A process group that all-reduces host (CPU) tensors: the world group under gloo, else a gloo group over every
+    rank, made once (a collective: every rank calls it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def align_batch_count(trainer: pl.Trainer) -> None:

@@ -10,22 +10,12 @@ callbacks put on the progress bar are shown beside it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
-
-def planned_optimizer_steps(max_steps: int | None, max_epochs: int | None, batches_per_epoch: float,
-                            accumulate_grad_batches: int) -> float:
-    """Optimizer steps a fit will run: ``max_steps`` when set (> 0), else epochs x steps per epoch (a
-    partial accumulation window at an epoch's end is a step too). ``inf`` for an endless run."""
-    if max_steps is not None and max_steps > 0:
-        return max_steps
-    if max_epochs is None or max_epochs < 0 or not math.isfinite(batches_per_epoch):
-        return math.inf
-    return max_epochs * math.ceil(batches_per_epoch / max(accumulate_grad_batches, 1))
+from lightning_moe.modules.step_metrics import planned_optimizer_steps
 
 
 class StepProgressBar(RichProgressBar):

@@ -28,10 +28,11 @@ from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe.callbacks.card_format import CARD_JSON, CARD_MARKDOWN, render_markdown
+from lightning_moe.callbacks.comm_card import comm_bytes_per_step
 from lightning_moe.callbacks.health import HealthCheck
 from lightning_moe.callbacks.memory import PeakMemory
 from lightning_moe.callbacks.preemption import Preempted, Preemption
-from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, step_loss
+from lightning_moe.callbacks.step_end import StepEndCallback, StepSeries, reports_on_read, step_loss
 from lightning_moe.callbacks.throughput import Throughput
 from lightning_moe.io.atomic import atomic_write_text
 from lightning_moe.kernels import kernel_checks
@@ -180,9 +181,15 @@ class RunCard(StepEndCallback):
             self.started = time.time()
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
+        if reports_on_read(pl_module):
+            return  # the losses come with on_steps_read
         loss = step_loss(trainer, pl_module, outputs)
         if loss is not None:
             self.losses.add(trainer.global_step, loss)
+
+    def on_steps_read(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stats: list) -> None:
+        for step in stats:
+            self.losses.add(step.step, step.loss)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write(trainer, pl_module, end_status(trainer))
@@ -215,6 +222,8 @@ class RunCard(StepEndCallback):
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             "parallel_sizes": getattr(trainer.strategy, "parallel_sizes", None),
+            # what one rank's collectives handle per optimizer step, by kind and mesh dimension
+            "comm_bytes_per_step": comm_bytes_per_step(trainer, pl_module),
             "strategy": type(trainer.strategy).__name__,
             # schedule, pp, vp, the split and the measured bubble fraction of a pipelined run
             "pipeline": pipeline.summary() if pipeline is not None else None,

@@ -2,6 +2,10 @@
 
 With gradient accumulation several ``on_train_batch_end`` calls make one optimizer step; the step is over
 at the first of them after which ``trainer.global_step`` has advanced.
+
+A module that keeps its step values on the device (``CausalLM``: ``step_metrics``) reads them back only at logging
+steps and hands callbacks the :class:`StepStats` of every step since the last read through their
+``on_steps_read(trainer, pl_module, stats)``; a module that reports on the host every step sets ``step_stats``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_moe.modules.step_metrics import StepMetrics
 from lightning_moe.modules.step_stats import StepStats
 
 
@@ -33,6 +38,18 @@ class StepEndCallback(pl.Callback):
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         """``outputs``: what ``training_step`` returned for the step's last micro-batch."""
+
+
+def reports_on_read(pl_module: pl.LightningModule) -> bool:
+    """The module hands its steps' figures over at logging steps (``on_steps_read``), not every step."""
+    return isinstance(getattr(pl_module, "step_metrics", None), StepMetrics)
+
+
+def log_host(pl_module: pl.LightningModule, name: str, value: float, **kwargs: Any) -> None:
+    """Log a host number as a host tensor: Lightning logs a float as a tensor on the module's device, which its
+    logging and progress bar then read back (a host sync on a GPU)."""
+    pl_module.log(name, torch.tensor(float(value), dtype=torch.get_default_dtype()), on_step=True, on_epoch=False,
+                  batch_size=1, **kwargs)
 
 
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepStats | None:

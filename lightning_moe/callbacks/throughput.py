@@ -5,17 +5,18 @@ H200, and counts FLOPs per sample instead of from the real packed sequence lengt
 
 - Step time: from the end of one optimizer step to the end of the next (the first step from its first
   micro-batch), validation excluded. Data loading and checkpoint writes that fall between steps count.
-- Tokens: all tokens of the global batch, padding included, and the label tokens, from the module's
-  ``StepStats`` (or counted on each rank's micro-batches and summed over the data-parallel ranks).
+- Tokens: all tokens of the global batch, padding included, and the label tokens, counted on each rank's
+  micro-batches (from their host layouts) and summed over the data-parallel ranks.
 - Model FLOPs: :mod:`lightning_moe.models.flops` on every micro-batch each rank sees (its real packed lengths
-  and label tokens), summed over the data-parallel ranks once per step (packed rows make them differ).
+  and label tokens, from the batch's host layout), summed over the data-parallel ranks (packed rows make them
+  differ): once per logging step for all the steps since the last one, so no step waits for the device.
   Transformers models of the generic path count as their native family's ``ModelConfig`` where one maps
   the config, else by ``FlopCounterMode`` on a fake-tensor step once (:mod:`lightning_moe.models.hf_flops`);
   other models without a ``ModelConfig`` count 6 x parameters per token.
 - Per GPU: divided by the world size (TP, CP and EP peers included). MFU: per-GPU FLOP/s / device peak.
 
-Logged values are averages over the last ``window`` steps after ``warmup_steps``; per-step values are kept
-in :attr:`Throughput.history` for the run card (thinned evenly in long runs).
+Logged values (every ``log_every_n_steps``) are averages over the last ``window`` steps after ``warmup_steps``;
+per-step values are kept in :attr:`Throughput.history` for the run card (thinned evenly in long runs).
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from lightning_moe.callbacks.step_end import (
     StepEndCallback,
     StepSeries,
     data_parallel_size,
-    step_stats,
+    log_host,
     sum_over_ranks,
 )
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.flops import batch_flops, parameter_flops_per_token
+from lightning_moe.models.flops import layout_flops, parameter_flops_per_token
 from lightning_moe.models.hf import HFModel
 from lightning_moe.models.hf_flops import COUNTED_METHOD, CountedFlops, native_model_config
-from lightning_moe.models.layers.loss import IGNORE_INDEX
+from lightning_moe.modules.step_metrics import logging_step
 
 RATE_NAMES = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "label_tokens_per_s_per_gpu",
               "tflops_per_gpu", "mfu")
@@ -86,7 +88,7 @@ def window_speed(steps: list[StepSpeed]) -> StepSpeed:
 
 
 class Throughput(StepEndCallback):
-    """Logs ``perf/*`` at every optimizer step; step time and tokens/s/GPU also go to the progress bar.
+    """Logs ``perf/*`` at every logging step; step time and tokens/s/GPU also go to the progress bar.
 
     Args:
         window: steps averaged in the logged values and the run card (the last N).
@@ -124,6 +126,9 @@ class Throughput(StepEndCallback):
         self._steps_run = 0
         self._step_start: float | None = None
         self._validation_start: float | None = None
+        # (step, seconds, local [FLOPs, label tokens, tokens, samples]) of steps not yet summed over the ranks
+        self._unsummed: list[tuple[int, float, list[float]]] = []
+        self.device = torch.device("cpu")
         self._reset_step()
 
     # ------------------------------------------------------------------ setup
@@ -168,35 +173,40 @@ class Throughput(StepEndCallback):
                 self.peak_flops, self.peak_flops_source = cpu_peak_flops(dtype)
         self._steps_run = 0
         self._step_start = None
+        self._unsummed = []
+        self.device = device
         self._reset_step()
 
     def _reset_step(self) -> None:
         self._tokens = 0
         self._counted: list[tuple[int, int, int, float]] = []  # the module's own counts of its micro-batches
-        # the step's micro-batches (position ids, labels): read back to the host once per step, not per micro-batch
-        self._micro_batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # the step's micro-batches: their host layouts, else (position ids, labels) read back once per step
+        self._micro_batches: list[BatchLayout | tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def _step_counts(self) -> tuple[float, int]:
         """FLOPs and label tokens of this rank's micro-batches of the step."""
         flops = sum(c[3] for c in self._counted)
         label_tokens = sum(c[2] for c in self._counted)
-        for position_ids, labels in self._micro_batches:
-            position_ids = position_ids.cpu()
-            labels = None if labels is None else labels.cpu()
-            if labels is not None:
-                label_tokens += int((labels != IGNORE_INDEX).sum())
+        for micro_batch in self._micro_batches:
+            if isinstance(micro_batch, BatchLayout):
+                layout = micro_batch
+            else:
+                position_ids, labels = micro_batch
+                layout = BatchLayout(position_ids.cpu().numpy(), None if labels is None else labels.cpu().numpy())
+            if layout.labels is not None:
+                label_tokens += layout.label_tokens()
             if self.counted_flops is not None:
                 try:
-                    flops += self.counted_flops.batch_flops(position_ids, self.trainable_fraction)
+                    flops += self.counted_flops.batch_flops(layout.position_ids, self.trainable_fraction)
                     continue
                 except Exception as error:  # noqa: BLE001  (a model the fake step cannot run: said in the run card)
                     self.counted_flops = None
                     self.flops_method = (f"6 x parameters per token (the fake-tensor FLOP count of "
                                          f"the transformers model failed: {error})")
             if self.config is None:
-                flops += self.flops_per_param_token * position_ids.numel()
+                flops += self.flops_per_param_token * layout.position_ids.size
             else:
-                flops += batch_flops(self.config, position_ids, labels, self.trainable_fraction)
+                flops += layout_flops(self.config, layout, self.trainable_fraction)
         return flops, label_tokens
 
     # ------------------------------------------------------------------ timing
@@ -226,41 +236,54 @@ class Throughput(StepEndCallback):
             raise ValueError("Throughput: batches must be dicts with 'input_ids' (and 'position_ids', 'labels')")
         input_ids = batch["input_ids"]
         self._tokens += input_ids.numel()
-        position_ids = batch.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        self._micro_batches.append((position_ids, batch.get("labels")))
+        if isinstance(batch.get("layout"), BatchLayout):
+            self._micro_batches.append(batch["layout"])
+        else:
+            position_ids = batch.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            self._micro_batches.append((position_ids, batch.get("labels")))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> None:
         now = time.perf_counter()
-        stats = step_stats(trainer, pl_module)
         samples = sum(c[0] for c in self._counted)
-        local = torch.tensor([*self._step_counts(), self._tokens, samples], dtype=torch.float64,
-                             device=pl_module.device)
-        # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
-        flops, label_tokens, tokens, samples = (
-            sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
-        speed = StepSpeed(
-            step=trainer.global_step,
-            step_time_s=max(now - self._step_start, 1e-9),
-            tokens=stats.tokens if stats is not None else round(tokens),
-            label_tokens=stats.label_tokens if stats is not None else round(label_tokens),
-            flops=flops,
-            samples=round(samples),
-            sample_unit=getattr(self, "sample_unit", None),
-        )
+        flops, label_tokens = self._step_counts()
+        self._unsummed.append((trainer.global_step, max(now - self._step_start, 1e-9),
+                               [flops, label_tokens, self._tokens, samples]))
         self._step_start = now
         self._reset_step()
-        self._steps_run += 1
-        self.history.add(speed.step, speed)
-        if self._steps_run > self.warmup_steps:
-            self._recent.append(speed)
-        pooled = window_speed(list(self._recent)) if self._recent else speed
+        if logging_step(trainer):
+            self._add_steps()
+            self._log(pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._add_steps()  # the steps after the last logging step, for the run card
+
+    def _add_steps(self) -> None:
+        """The steps counted since the last call, summed over the ranks (one all-reduce for all of them) and added
+        to the history and the window."""
+        if not self._unsummed:
+            return
+        counts = [c for _, _, c in self._unsummed]
+        if self.world_size > 1:
+            # each rank counted its data-parallel batch, which its tensor/context-parallel peers counted too
+            local = torch.tensor(counts, dtype=torch.float64, device=self.device)
+            counts = (sum_over_ranks(local) * self.data_parallel_size / self.world_size).tolist()
+        for (step, seconds, _), (flops, label_tokens, tokens, samples) in zip(self._unsummed, counts):
+            speed = StepSpeed(step=step, step_time_s=seconds, tokens=round(tokens), label_tokens=round(label_tokens),
+                              flops=flops, samples=round(samples), sample_unit=getattr(self, "sample_unit", None))
+            self._steps_run += 1
+            self.history.add(speed.step, speed)
+            if self._steps_run > self.warmup_steps:
+                self._recent.append(speed)
+        self._unsummed = []
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        pooled = window_speed(list(self._recent)) if self._recent else self.history.values()[-1]
         for name, value in pooled.rates(self.world_size, self.peak_flops).items():
             if value is not None:
-                pl_module.log(f"perf/{name}", value, on_step=True, on_epoch=False, batch_size=1,
-                              prog_bar=name in ("step_time_s", "tokens_per_s_per_gpu"))
+                log_host(pl_module, f"perf/{name}", value, prog_bar=name in ("step_time_s", "tokens_per_s_per_gpu"))
 
     # ------------------------------------------------------------------ run card
     def summary(self) -> dict[str, Any]:

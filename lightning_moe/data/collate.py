@@ -10,6 +10,8 @@ Every data module yields batches with:
   starting at 0, with ``input_ids`` = pad id and labels -100. Tokens that pad a sample to a multiple
   of ``pad_seq_to_mult`` continue that sample's positions (they belong to it, with labels -100).
 - ``num_label_tokens``: 0-d LongTensor, ``(labels != -100).sum()`` over the micro-batch.
+- ``layout``: a :class:`~lightning_moe.models.batch_layout.BatchLayout` of the same rows, on the host: what the
+  step needs to know about them (packed or not, sequence lengths, label counts) without reading the device.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 
 from lightning_moe.data.formats import IGNORE_INDEX
 from lightning_moe.data.packing import round_up
+from lightning_moe.models.batch_layout import BatchLayout
 
 
 def collate_rows(rows: Sequence[dict[str, np.ndarray]], pad_id: int, pad_to: int | None = None,
-                 pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+                 pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor | BatchLayout]:
     """Stack rows (``input_ids``, ``labels``, ``position_ids`` 1-D arrays) into a padded batch.
 
     Rows are padded to ``pad_to`` (fixed packed size) or, when None, to the longest row rounded up to
@@ -50,6 +53,7 @@ def collate_rows(rows: Sequence[dict[str, np.ndarray]], pad_id: int, pad_to: int
         "labels": labels_t,
         "position_ids": torch.from_numpy(position_ids),
         "num_label_tokens": (labels_t != IGNORE_INDEX).sum(),
+        "layout": BatchLayout(position_ids.copy(), labels.copy()),  # the tensors share these arrays
     }
 
 
@@ -59,5 +63,5 @@ class Collator:
     def __init__(self, pad_id: int, pad_to: int | None = None, pad_to_multiple_of: int = 1) -> None:
         self.pad_id, self.pad_to, self.pad_to_multiple_of = pad_id, pad_to, pad_to_multiple_of
 
-    def __call__(self, rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor | BatchLayout]:
         return collate_rows(rows, self.pad_id, self.pad_to, self.pad_to_multiple_of)

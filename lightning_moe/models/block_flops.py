@@ -7,28 +7,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.delta_rule import solve_flops
-from lightning_moe.models.layers.sequence import SequenceLayout
 
 
 @dataclass(frozen=True)
 class Sequences:
-    """The sequences one forward pass runs over: their lengths (1-D int64 on the CPU)."""
+    """The sequences one forward pass runs over: their lengths (1-d int64, a host array)."""
 
-    lengths: torch.Tensor
+    lengths: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lengths", np.asarray(self.lengths, dtype=np.int64))
 
     @classmethod
     def of_length(cls, seq_len: int, count: int = 1) -> Sequences:
-        return cls(torch.full((count,), seq_len, dtype=torch.int64))
+        return cls(np.full((count,), seq_len, dtype=np.int64))
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor) -> Sequences:
+    def from_position_ids(cls, position_ids: torch.Tensor | np.ndarray) -> Sequences:
         """Every packed sequence of a ``[batch, seq]`` batch (a new one wherever positions restart at 0)."""
-        layout = SequenceLayout(position_ids, packed=True)
-        return cls(layout.cu_seqlens.diff().to(device="cpu", dtype=torch.int64))
+        if isinstance(position_ids, torch.Tensor):
+            position_ids = position_ids.cpu().numpy()
+        return cls(BatchLayout(position_ids).sequence_lengths)
 
     @property
     def tokens(self) -> int:
@@ -37,7 +42,7 @@ class Sequences:
     def causal_pairs(self, window: int | None = None) -> int:
         """Query-key pairs that causal attention (limited to ``window`` keys) scores, summed over sequences."""
         lengths = self.lengths
-        head = lengths if window is None else torch.clamp(lengths, max=window)
+        head = lengths if window is None else np.minimum(lengths, window)
         # query i (from 1) sees min(i, window) keys: 1..head, then ``window`` for each query after the head
         return int((head * (head + 1) // 2 + (lengths - head) * (window or 0)).sum())
 
@@ -145,7 +150,7 @@ def delta_rule_flops(cfg: ModelConfig, seqs: Sequences) -> float:
     full, rest = seqs.lengths // chunk, seqs.lengths % chunk
     square = int((full * chunk**2 + rest**2).sum())
     solves = int(full.sum()) * solve_flops(chunk, dk + dv) + sum(solve_flops(r, dk + dv) for r in rest.tolist() if r)
-    carried = int(((full + (rest > 0) - 1).clamp(min=0) * chunk).sum())  # tokens of chunks that read a state
+    carried = int((np.maximum(full + (rest > 0) - 1, 0) * chunk).sum())  # tokens of chunks that read a state
     per_head = square * (2 * 2 * dk + 2 * dv) + solves + 3 * 2.0 * carried * dk * dv
     return la.num_v_heads * per_head
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.blocks import BlockKind, pattern_kinds
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.loss import OutputLayer
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import MultiTokenPrediction
 from lightning_moe.models.layers.norm import RMSNorm
-from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.sequence import SequenceLayout, host_label_count
 from lightning_moe.models.layers.te import use_te_modules
 from lightning_moe.models.seeded_init import seeded_init
 
@@ -120,14 +121,18 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        batch_layout: BatchLayout | None = None,
     ) -> torch.Tensor | LossOutput:
-        layout = SequenceLayout.from_inputs(input_ids, position_ids)
+        """``batch_layout``: the batch's layout on the host (this rank's share of it), which spares the forward
+        its reads of the device (whether rows are packed, label counts)."""
+        layout = SequenceLayout.from_inputs(input_ids, position_ids, batch_layout)
         hidden = self.hidden_states(input_ids, layout)
         final = self.norm(hidden)
         if labels is None:
             self._collect_aux_loss()  # a logits-only forward has no loss to add them to
             return self.output_layer.logits(final, self.output_weight)
-        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size)
+        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size,
+                                                 label_count=host_label_count(layout))
         out = LossOutput(loss_sum=loss_sum, num_label_tokens=count)
         if self.mtp is not None and self.config.mtp.enabled:
             out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from lightning_moe.models.block_flops import ForwardFlops, Sequences
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.blocks import pattern_kinds
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.loss import IGNORE_INDEX
@@ -73,14 +75,14 @@ def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int
 def output_token_counts(cfg: ModelConfig, position_ids: torch.Tensor, labels: torch.Tensor) -> list[int]:
     """Tokens each output head scores: labelled tokens, and for MTP depth ``d`` those whose target ``d``
     tokens ahead is labelled and in the same packed sequence."""
-    counts = [(labels != IGNORE_INDEX).sum()]
-    depths = mtp_depths(cfg)
-    if depths:
-        docs = SequenceLayout(position_ids, packed=True).document_ids
-        for d in range(1, depths + 1):
-            target = shift_left(labels, d, IGNORE_INDEX)
-            counts.append(((target != IGNORE_INDEX) & (shift_left(docs, d, -1) == docs)).sum())
-    return [int(c) for c in torch.stack(counts).tolist()]
+    return BatchLayout(position_ids.cpu().numpy(), labels.cpu().numpy()).output_token_counts(mtp_depths(cfg))
+
+
+def layout_flops(cfg: ModelConfig, layout: BatchLayout, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) of one micro-batch from its host layout (its real packed sequence
+    lengths and label counts); without labels every token is scored by every output head."""
+    outputs = None if layout.labels is None else layout.output_token_counts(mtp_depths(cfg))
+    return forward_flops(cfg, Sequences(layout.sequence_lengths), outputs).training(trainable_fraction)
 
 
 def batch_flops(
@@ -89,13 +91,9 @@ def batch_flops(
     labels: torch.Tensor | None = None,
     trainable_fraction: float = 1.0,
 ) -> float:
-    """Training FLOPs (forward + backward) of one micro-batch, from its real packed sequence lengths.
-
-    Without ``labels`` every token is scored by every output head.
-    """
-    seqs = Sequences.from_position_ids(position_ids)
-    outputs = None if labels is None else output_token_counts(cfg, position_ids, labels)
-    return forward_flops(cfg, seqs, outputs).training(trainable_fraction)
+    """:func:`layout_flops` of a micro-batch given by its tensors (read back to the host)."""
+    layout = BatchLayout(position_ids.cpu().numpy(), None if labels is None else labels.cpu().numpy())
+    return layout_flops(cfg, layout, trainable_fraction)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, trainable_fraction: float = 1.0) -> float:

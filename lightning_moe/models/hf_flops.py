@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -85,11 +86,11 @@ class CountedFlops:
 
         self._fit = (*solve(f_long, f_short), *solve(b_long, b_short))
 
-    def batch_flops(self, position_ids: torch.Tensor, trainable_fraction: float = 1.0) -> float:
-        """Training FLOPs of one micro-batch, from its real packed sequence lengths."""
+    def batch_flops(self, position_ids: torch.Tensor | np.ndarray, trainable_fraction: float = 1.0) -> float:
+        """Training FLOPs of one micro-batch, from its real packed sequence lengths (``[batch, seq]`` positions)."""
         if self._fit is None:
             self.fit(position_ids.shape[-1])
-        lengths = Sequences.from_position_ids(position_ids).lengths.double()
+        lengths = Sequences.from_position_ids(position_ids).lengths.astype(np.float64)
         fa, fb, ba, bb = self._fit
         forward = float((fa * lengths + fb * lengths**2).sum())
         backward = float((ba * lengths + bb * lengths**2).sum())

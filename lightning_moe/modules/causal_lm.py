@@ -61,7 +61,14 @@ from lightning_moe.modules.pipeline_step import (
     pipelined_training_step,
 )
 from lightning_moe.modules.rng import gather_rng_states, restore_rng_states
+from lightning_moe.modules.step_metrics import (
+    UNLOGGED,
+    StepMetrics,
+    logging_step,
+    step_stats_of,
+)
 from lightning_moe.modules.step_stats import StepStats
+from lightning_moe.parallel.grad_norm import scale_gradients
 from lightning_moe.peft import (
     LoraConfig,
     keep_checkpoints_adapter_only,
@@ -74,6 +81,7 @@ from lightning_moe.seeds import seed_in_force
 
 DEFAULT_SEED = 0  # of the weights, without a recipe seed or seed_everything
 TOKENIZER_KEY = "tokenizer_files"  # the run's tokenizer files in its checkpoints
+
 # evaluation losses are all-reduced over the loss group before they are logged (_log_eval): Lightning's advice to
 # log them with sync_dist does not apply
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(val|test)/(loss|ppl)'")
@@ -159,10 +167,11 @@ class CausalLM(L.LightningModule):
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
         self._pipeline = None  # the runner of the stages under pipeline parallelism (the strategy's)
-        self.step_stats: StepStats | None = None
+        self._step_stats: StepStats | None = None
         self._source = None
         self._native_settings: HFModelConfig | None = None  # an HFModelConfig routed to the native path
         self._step_sums: dict[str, torch.Tensor] = {}
+        self.step_metrics = StepMetrics()  # each step's loss, norms and counts, read back every log_every_n_steps
         self._eval_sums: dict[str, torch.Tensor] = {}
         self._tokenizer_cache: dict[str, bytes] | None = None
         self._generator: torch.nn.Module | None = None  # the transformers form that predict_step samples from
@@ -267,7 +276,8 @@ class CausalLM(L.LightningModule):
         shard = getattr(self.trainer.strategy, "shard_batch", None)
         if shard is not None:
             batch = shard(batch)
-        out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"])
+        layout = {"batch_layout": batch["layout"]} if isinstance(self.model, Decoder) and "layout" in batch else {}
+        out = self.model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"], **layout)
         return out, batch["input_ids"].numel()
 
     def _mtp_scale(self) -> float:
@@ -309,53 +319,92 @@ class CausalLM(L.LightningModule):
             self._pipeline.check_step_complete()
         names = sorted(self._step_sums)
         totals = self._all_reduce(torch.stack([self._step_sums[n] for n in names]))
-        step = dict(zip(names, totals.tolist()))
+        step = dict(zip(names, totals))  # device values: read back every log_every_n_steps (step_metrics.py)
         self._step_sums = {}
-        label_tokens = step["label_tokens"]
+        label_tokens = step["label_tokens"].clamp(min=1.0)
         # undo the mean over reducing ranks and Lightning's 1/accumulate (a pipeline schedule backpropagates
         # the sums themselves), divide by the global label count
         accumulated = 1 if self._pipeline is not None else self.trainer.accumulate_grad_batches
-        factor = self._reduction_size() * accumulated / max(label_tokens, 1.0)
+        factor = torch.full_like(label_tokens, self._reduction_size() * accumulated) / label_tokens
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        # one fused call per kind: a transformers model under tensor parallelism mixes DTensor and plain gradients
-        for kind in {type(g) for g in grads}:
-            torch._foreach_mul_([g for g in grads if type(g) is kind], factor)
-        loss = step["loss_sum"] / max(label_tokens, 1.0)
-        self.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
+        scale_gradients(grads, factor)
+        metrics = self.step_metrics
+        metrics.set("loss", step["loss_sum"] / label_tokens)
+        metrics.set("tokens", step["tokens"])
+        metrics.set("label_tokens", step["label_tokens"])
         if "aux_loss" in step:
-            self.log("train/aux_loss", step["aux_loss"] / max(label_tokens, 1.0), rank_zero_only=True)
+            metrics.set("aux_loss", step["aux_loss"] / label_tokens)
         depth = 1
         while f"mtp_{depth}_loss_sum" in step:
-            mtp = step[f"mtp_{depth}_loss_sum"] / max(step[f"mtp_{depth}_tokens"], 1.0)
-            self.log(f"train/mtp_{depth}_loss", mtp, rank_zero_only=True)
+            metrics.set(f"mtp_{depth}_loss", step[f"mtp_{depth}_loss_sum"] / step[f"mtp_{depth}_tokens"].clamp(min=1.0))
             depth += 1
-        self.log("train/lr", optimizer.param_groups[0]["lr"], rank_zero_only=True)
-        self.step_stats = StepStats(
-            step=self.trainer.global_step + 1, loss=loss, tokens=int(step["tokens"]),
-            label_tokens=int(label_tokens), skipped=not grads,
-        )
+        metrics.set("lr", optimizer.param_groups[0]["lr"])
+        metrics.set("skipped", float(not grads))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_gradients(self, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.step_stats is not None and self.step_stats.skipped:
+        skipped = bool(self.step_metrics.current.get("skipped", False))
+        if skipped:
             # a step skipped for non-finite gradients moves no expert bias either (the decision is the same on
             # every rank); the routing counts of its forwards are dropped
             for moe in self.model.modules():
                 if isinstance(moe, MoE):
                     moe.tokens_per_expert.zero_()
             update_correction_biases(self.model, apply=False)
+        else:
+            # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
+            # all ranks that hold the same layers: tensor-parallel ranks route different sequence shards, and the
+            # update only uses the sign
+            group = getattr(self.trainer.strategy, "stage_group", None)
+            update_expert_bias(self.model, group)
+            update_correction_biases(self.model, group)  # model.hf routers
+            if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
+                precompute_fsdp_float8_scales(self.model)
+        for moe in self.model.modules():
+            if isinstance(moe, MoE):
+                getattr(moe.dispatcher, "end_step", lambda: None)()
+        step = self.trainer.global_step + 1  # Lightning counts the step once this hook returns
+        self.step_metrics.end_step(step)
+        if logging_step(self.trainer, step):
+            self._read_metrics(log=True)
+
+    @property
+    def step_stats(self) -> StepStats | None:
+        """The figures of the last step, on the host. Reading it reads back the steps not read yet (a host sync
+        on a GPU); the package's callbacks take them at logging steps instead (``on_steps_read``)."""
+        if self.step_metrics.pending:
+            self._read_metrics(log=False)
+        return self._step_stats
+
+    @step_stats.setter
+    def step_stats(self, value: StepStats | None) -> None:
+        self._step_stats = value
+
+    def on_train_end(self) -> None:
+        self._read_metrics(log=False)  # the steps since the last logging step, for the callbacks' records
+        if self._pipeline is not None:
+            self._pipeline.reduce_timings()
+
+    def _read_metrics(self, log: bool) -> None:
+        """The kept steps' values on the host: logged (the last step's), and handed to the callbacks that take
+        them (``on_steps_read``) as :class:`StepStats`."""
+        read = self.step_metrics.read()
+        if not read:
             return
-        # aux-loss-free balancing: expert biases move right after the weights do. Token counts are summed over
-        # all ranks that hold the same layers: tensor-parallel ranks route different sequence shards, and the
-        # update only uses the sign
-        group = getattr(self.trainer.strategy, "stage_group", None)
-        update_expert_bias(self.model, group)
-        update_correction_biases(self.model, group)  # model.hf routers
-        if self.fp8 is not None and self.fp8.fsdp_float8_all_gather:
-            precompute_fsdp_float8_scales(self.model)
+        stats = [step_stats_of(step, values) for step, values in read]
+        self._step_stats = stats[-1]
+        if log:
+            for name, value in read[-1][1].items():
+                if name not in UNLOGGED:
+                    # a host tensor: Lightning's logging and progress bar then read host memory only
+                    self.log(f"train/{name}", torch.tensor(value, dtype=torch.get_default_dtype()),
+                             prog_bar=name == "loss", rank_zero_only=True)
+        for callback in self.trainer.callbacks:
+            if hasattr(callback, "on_steps_read"):
+                callback.on_steps_read(self.trainer, self, stats)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:

@@ -43,7 +43,7 @@ from lightning_moe.peft import LoraConfig
 from lightning_moe.precision import Float8Config
 
 # batch keys that are the text model's own arguments or bookkeeping; every other key is a model input
-TEXT_KEYS = ("input_ids", "labels", "position_ids", "num_label_tokens")
+TEXT_KEYS = ("input_ids", "labels", "position_ids", "num_label_tokens", "layout")
 
 
 class VisionLM(CausalLM):

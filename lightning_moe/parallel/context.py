@@ -18,33 +18,42 @@ the whole row (:meth:`ContextParallelRow.full_row`), so they cross rank boundari
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.sequence import SequenceLayout, create_block_mask
 from lightning_moe.parallel.collectives import all_gather_autograd
 from lightning_moe.parallel.mamba import heads_over_whole_rows
 
 
-def load_balanced_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+def balanced_columns(seq_len: int, cp: int, rank: int) -> np.ndarray:
     """Global indices of the tokens that rank ``rank`` of ``cp`` holds: chunks ``rank`` and ``2*cp-1-rank``."""
     if seq_len % (2 * cp):
         raise ValueError(
             f"sequence length {seq_len} is not a multiple of 2*cp={2 * cp}; pad rows to a multiple of {2 * cp}"
         )
     chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * chunk])
+    first = np.arange(rank * chunk, (rank + 1) * chunk)
+    return np.concatenate([first, first + (2 * cp - 1 - 2 * rank) * chunk])
+
+
+def load_balanced_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """:func:`balanced_columns` as a tensor on ``device`` (copied there without waiting for the device)."""
+    return torch.from_numpy(balanced_columns(seq_len, cp, rank)).to(device, non_blocking=True)
 
 
 def shard_batch(batch: dict, cp_mesh) -> dict:
     """This rank's share of every ``[batch, seq, ...]`` tensor; ``position_ids`` are created when absent
-    (they carry each token's global position) and ``num_label_tokens`` is recounted for the shard."""
+    (they carry each token's global position), ``num_label_tokens`` is recounted for the shard and the host
+    ``layout`` notes the shard's columns."""
     input_ids = batch["input_ids"]
     rows, seq_len = input_ids.shape[:2]
-    index = load_balanced_indices(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(), input_ids.device)
+    columns = balanced_columns(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
+    index = torch.from_numpy(columns).to(input_ids.device, non_blocking=True)
     full = dict(batch)
     if full.get("position_ids") is None:
         full["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand(rows, -1)
@@ -52,6 +61,8 @@ def shard_batch(batch: dict, cp_mesh) -> dict:
     for key, value in full.items():
         sequence_shaped = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, seq_len)
         out[key] = value.index_select(1, index) if sequence_shaped else value
+    if isinstance(out.get("layout"), BatchLayout):  # the host layout of the same columns
+        out["layout"] = out["layout"].shard(columns)
     if "num_label_tokens" in out:
         out["num_label_tokens"] = (out["labels"] != IGNORE_INDEX).sum()
     return out
@@ -63,8 +74,9 @@ class ContextParallelRow:
 
     context_parallel = None  # the gathered view is final
 
-    def __init__(self, position_ids: torch.Tensor, group) -> None:
+    def __init__(self, position_ids: torch.Tensor, group, host: BatchLayout | None = None) -> None:
         self.group = group
+        self.host = host  # this rank's host layout: it holds the whole rows
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows, local_len = position_ids.shape
         seq_len = local_len * cp
@@ -85,10 +97,11 @@ class ContextParallelRow:
 
     @property
     def full_layout(self) -> SequenceLayout:
-        """The layout of the whole row (Mamba-2 scans and MTP targets need it), built on first use: telling
-        whether the row is packed waits for the device."""
+        """The layout of the whole row (Mamba-2 scans and MTP targets need it), built on first use: without the
+        host layout, telling whether the row is packed waits for the device."""
         if self._full_layout is None:
-            self._full_layout = SequenceLayout(self.positions)
+            whole = None if self.host is None else BatchLayout(self.host.position_ids, self.host.labels)
+            self._full_layout = SequenceLayout(self.positions, host=whole)
         return self._full_layout
 
     def full_row(self, local: torch.Tensor) -> torch.Tensor:
@@ -147,7 +160,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh, mixer_mesh=None) -> None:
     def attach(module, args):
         layout = args[1]
         if layout.context_parallel is None:
-            layout.context_parallel = ContextParallelRow(layout.position_ids, group)
+            layout.context_parallel = ContextParallelRow(layout.position_ids, group, layout.host)
 
     blocks = list(model.layers.values())
     if getattr(model, "mtp", None) is not None:

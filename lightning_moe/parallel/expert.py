@@ -15,6 +15,7 @@ so skewed routing cannot hang a step. Other dispatchers (DeepEP on GPUs) plug in
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -34,16 +35,35 @@ class AllToAllDispatcher(TokenDispatcher):
         self.group = group
         self.ranks = dist.get_world_size(group)
         self.num_local_experts = num_local_experts
+        # the splits of this step's forwards, in order, for the recomputation of checkpointed forwards
+        self._kept: deque = deque()
 
-    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
-        sorted_x, counts, local_state = super().dispatch(x, routing, num_experts)
-        # received[r, e]: rows that rank r sends to local expert e of this rank
+    @torch.compiler.disable  # host bookkeeping: compiled blocks call it eagerly
+    def _splits(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """``received`` ([ranks, local experts]: rows that rank r sends to local expert e of this rank) and the
+        send / receive split sizes, read to the host: all-to-all-v needs them there, one host sync per forward
+        for both. Activation checkpointing runs the forward again during backward, on the same tokens: that
+        recomputation takes the splits its forward kept (forwards are recomputed in the order they ran) instead of
+        exchanging and reading them again."""
+        recomputing = torch._C._current_graph_task_id() != -1
+        if recomputing and self._kept:
+            return self._kept.popleft()
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(self.ranks, self.num_local_experts)
-        # the split sizes go to the host once (one sync for both)
         sent = counts.view(self.ranks, self.num_local_experts).sum(dim=1)
         send_splits, recv_splits = torch.stack([sent, received.sum(dim=1)]).tolist()
+        if torch.is_grad_enabled() and not recomputing:
+            self._kept.append((received, send_splits, recv_splits))
+        return received, send_splits, recv_splits
+
+    def end_step(self) -> None:
+        """The optimizer step is over: forwards that were not checkpointed leave their splits unused."""
+        self._kept.clear()
+
+    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
+        sorted_x, counts, local_state = super().dispatch(x, routing, num_experts)
+        received, send_splits, recv_splits = self._splits(counts)
         arrived = all_to_all_autograd(sorted_x, recv_splits, send_splits, self.group)
         # rows arrive grouped by source rank, then expert: regroup them by expert for the grouped GEMM
         expert_of_row = torch.arange(self.num_local_experts, device=x.device).repeat(self.ranks)

@@ -46,8 +46,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
             total = total.double() ** norm_type
             dist.all_reduce(total, group=stage_group)
             total = (total ** (1.0 / norm_type)).float()
-    coefficient = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    if coefficient < 1.0:
-        for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient)
+    if max_norm != float("inf"):
+        # a factor of at most 1, applied on the device (1 leaves a gradient as it is): nothing is read back
+        scale_gradients(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def scale_gradients(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient (of a DTensor: its local shard) in place by the 0-d tensor ``factor``, which stays
+    on the device: one fused call per device."""
+    from torch.distributed.tensor import DTensor
+
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_device.setdefault(local.device, []).append(local)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, factor.to(device, non_blocking=True))

@@ -22,6 +22,7 @@ and the norm counts the weight once, so both take the same steps.
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from lightning_moe.models.decoder import Decoder, collect_aux_loss
 from lightning_moe.models.flops import mtp_depths, pattern_flops
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import ids_ahead
-from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.sequence import SequenceLayout, host_label_count
 from lightning_moe.parallel.context import ContextParallelRow
 
 # name -> torch.distributed.pipelining schedule class name
@@ -292,6 +293,8 @@ class StageModule(nn.Module):
         # torch's stage infers the shapes it sends by one forward of its own before the first step (on empty
         # tensors past the first stage): that forward must leave no loss sums and no expert token counts
         self.metadata_pass_pending = False
+        # host layouts of the step's micro-batches, in the order the schedule runs their forwards on this stage
+        self.layouts: deque = deque()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -307,23 +310,26 @@ class StageModule(nn.Module):
     def forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None):
         if not self.metadata_pass_pending:
-            return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids)
+            host = self.layouts.popleft() if self.layouts else None
+            return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids, host=host)
         self.metadata_pass_pending = False
         inputs = metadata_pass_inputs(inputs, self.spec.embedding)
         counts = [moe.tokens_per_expert.clone() for moe in self.moe_layers()]
-        try:
-            return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids)
+        try:  # the first micro-batch's layout, which its real forward takes next
+            return self._forward(*inputs, token_ids=token_ids, labels=labels, position_ids=position_ids,
+                                 host=self.layouts[0] if self.layouts else None)
         finally:
             self.sums.clear()
             for moe, count in zip(self.moe_layers(), counts):
                 moe.tokens_per_expert.copy_(count)
 
     def _forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
-                 position_ids: torch.Tensor | None):
-        layout = SequenceLayout.from_inputs(token_ids, position_ids)
+                 position_ids: torch.Tensor | None, host=None):
+        layout = SequenceLayout.from_inputs(token_ids, position_ids, host)
         if self.context_parallel_group is not None and layout.context_parallel is None:
             # what the first attention block would attach; the MTP ids and depths need it on every stage
-            layout.context_parallel = ContextParallelRow(layout.position_ids, self.context_parallel_group)
+            layout.context_parallel = ContextParallelRow(layout.position_ids, self.context_parallel_group,
+                                                         layout.host)
         if self.spec.embedding:
             (ids,) = inputs
             hidden = self.embed(ids)
@@ -343,7 +349,8 @@ class StageModule(nn.Module):
             self.sums.append(sums)
             return (hidden, *ahead)
         final = self.norm(hidden)
-        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size)
+        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size,
+                                                 label_count=host_label_count(layout))
         objective = loss_sum
         sums["loss_sum"], sums["label_tokens"] = loss_sum.detach(), count.detach()
         if ahead:

@@ -12,11 +12,13 @@ strategy keeps the runner (``ParallelStrategy.pipeline``).
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from lightning_moe.dtypes import WIRE_DTYPES
+from lightning_moe.models.batch_layout import BatchLayout
 from lightning_moe.parallel.pipeline import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -46,6 +48,7 @@ class PipelineRunner:
         # per step, summed over the pipeline ranks: seconds inside the stages' forward/backward, seconds of the
         # whole schedule (the bubble is the rest)
         self.busy_and_total: list[tuple[float, float]] = []
+        self._timings_reduced = False
         self._busy = 0.0
         self._ran = False  # the schedule ran since the last optimizer step
         self.tied_group = None  # first and last stage's ranks, whose embedding copies are kept equal
@@ -123,6 +126,9 @@ class PipelineRunner:
             raise ValueError(f"the pipeline schedule was built for {self.micro_batches} micro-batches per step, "
                              f"this step has {micro_batches}")
         batches, self.pending = self.pending, []
+        layouts = [b.get("layout") for b in batches]
+        for stage in self.model.stages:  # each stage's forwards take them in micro-batch order
+            stage.layouts = deque(layouts if all(isinstance(x, BatchLayout) for x in layouts) else [])
         whole = {key: torch.cat([b[key] for b in batches]) for key in ("input_ids", "labels", "position_ids")
                  if batches[0].get(key) is not None}
         kwargs = {"token_ids": whole["input_ids"], "labels": whole["labels"]}
@@ -142,13 +148,20 @@ class PipelineRunner:
                 weight.grad = weight.grad.redistribute(placements=weight.placements)
             grad = weight.grad
             dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=self.tied_group)
-        timing = torch.tensor([self._busy, time.perf_counter() - start], dtype=torch.float64, device=self.device)
-        dist.all_reduce(timing, group=self.group)
-        self.busy_and_total.append(tuple(timing.tolist()))
+        # this rank's seconds, summed over the pipeline ranks at the end (reduce_timings): no step waits for them
+        self.busy_and_total.append((self._busy, time.perf_counter() - start))
         self._ran = True
         sums = self._reduce_sums(self.sum_names())
-        sums["tokens"] = torch.tensor(float(whole["input_ids"].numel()), dtype=torch.float64, device=self.device)
+        sums["tokens"] = torch.full((), float(whole["input_ids"].numel()), dtype=torch.float64, device=self.device)
         return sums
+
+    def reduce_timings(self) -> None:
+        """Sum each step's seconds over the pipeline ranks, once, at the end of training (every rank calls it)."""
+        if self.busy_and_total and not self._timings_reduced:
+            timing = torch.tensor(self.busy_and_total, dtype=torch.float64, device=self.device)
+            dist.all_reduce(timing, group=self.group)
+            self.busy_and_total = [tuple(row) for row in timing.tolist()]
+            self._timings_reduced = True
 
     def bubble_fraction(self) -> float | None:
         """Measured share of the schedule's time the ranks spent outside their stages' forward and backward

@@ -313,12 +313,12 @@ class VocabParallelOutput(OutputLayer):
         local_logits = F.linear(self._full_sequence(hidden), local_weight)
         return DTensor.from_local(local_logits, self.mesh, [Shard(-1)]).full_tensor()
 
-    def loss(self, hidden: torch.Tensor, weight, labels: torch.Tensor,
-             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, hidden: torch.Tensor, weight, labels: torch.Tensor, chunk_size: int,
+             label_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         local_weight, start = self._local_rows(weight)
         return linear_cross_entropy(self._full_sequence(hidden), local_weight, labels, chunk_size,
                                     vocab_group=self.group, vocab_start=start,
-                                    repeatable_backward=self.repeatable_backward)
+                                    repeatable_backward=self.repeatable_backward, label_count=label_count)
 
 
 def sum_partial_gradients(model: nn.Module) -> None:

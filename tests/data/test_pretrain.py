@@ -126,8 +126,9 @@ def test_blend_per_split_and_batches(tmp_path, data_dir, tokenizer_path):
     dm.setup("fit")
     assert dm.datasets["test"] is None and dm.test_dataloader() == []
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"input_ids", "labels", "position_ids", "num_label_tokens"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "num_label_tokens", "layout"}
     assert batch["input_ids"].shape == (2, 128)
+    assert (batch["layout"].labels == batch["labels"].numpy()).all()
     assert (batch["labels"][:, :-1] == batch["input_ids"][:, 1:]).all()
     assert len(list(dm.train_dataloader())) == 64 // 2
     val = next(iter(dm.val_dataloader()))

@@ -34,9 +34,14 @@ def test_batch_format_and_boundaries(tmp_path, tokenizer_path, data_dir, tokeniz
     pad = tokenizer.pad_token_id
     samples_seen = 0
     for batch in batches:
-        assert set(batch) == {"input_ids", "labels", "position_ids", "num_label_tokens"}
+        assert set(batch) == {"input_ids", "labels", "position_ids", "num_label_tokens", "layout"}
         for k in ("input_ids", "labels", "position_ids"):
             assert batch[k].dtype == torch.long and batch[k].shape == (2, 1024)
+        # the host layout describes the same rows
+        layout = batch["layout"]
+        assert (layout.position_ids == batch["position_ids"].numpy()).all()
+        assert layout.label_tokens() == int(batch["num_label_tokens"])
+        assert layout.packed == bool((batch["position_ids"][:, 1:] == 0).any())
         assert batch["num_label_tokens"].ndim == 0
         assert batch["num_label_tokens"] == (batch["labels"] != IGNORE_INDEX).sum()
         for ids, labels, pos in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),

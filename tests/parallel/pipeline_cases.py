@@ -171,7 +171,8 @@ class DroppedMicroBatch(GradProbe):
 
     def training_step(self, batch, batch_idx):
         if batch_idx % self.trainer.accumulate_grad_batches == self.trainer.accumulate_grad_batches - 1:
-            batch = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+            # new labels: the batch's host layout, which describes the collated ones, goes
+            batch = {**{k: v for k, v in batch.items() if k != "layout"}, "labels": torch.full_like(batch["labels"], -100)}
         return super().training_step(batch, batch_idx)
 
 

@@ -93,6 +93,7 @@ class AccumulationProbe(CausalLM):
         dp_rank = self.trainer.strategy.data_parallel_rank  # tensor-parallel peers share the batch
         batch["labels"][:, : 3 * dp_rank + 2 * batch_idx + 1] = -100
         batch.pop("num_label_tokens", None)
+        batch.pop("layout", None)  # describes the labels as collated
         if self.trainer.global_step == 0:
             self.first_batches[(dp_rank, batch_idx)] = {k: v.clone() for k, v in batch.items()}
 

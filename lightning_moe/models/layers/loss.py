@@ -56,19 +56,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 log_probs = fp32_buf[: h.shape[0]]
                 if log_probs is not logits:
                     log_probs.copy_(logits)
+                rows = torch.arange(y.shape[0], device=y.device)
                 if vocab_group is None:
-                    rows, cols = torch.arange(y.shape[0], device=y.device), y
+                    cols, hit = y, 1.0
                     torch.log_softmax(log_probs, dim=-1, out=log_probs)
                     loss_sum -= log_probs[rows, cols].sum()
                 else:
-                    lse, target, rows, cols = _vocab_parallel_statistics(log_probs, y, vocab_group, vocab_start)
+                    lse, target, cols, hit = _vocab_parallel_statistics(log_probs, y, vocab_group, vocab_start)
                     loss_sum += (lse - target).sum()
                     log_probs.sub_(lse[:, None])
                 if not (need_hidden_grad or need_weight_grad):
                     continue
                 # softmax minus one-hot, in the matmul dtype (the exponential is taken in fp32, in place)
                 grad_logits = log_probs.exp_()
-                grad_logits[rows, cols] -= 1.0
+                grad_logits[rows, cols] -= hit
                 if grad_logits is not logits:
                     grad_logits = logits.copy_(grad_logits)
                 if need_hidden_grad:
@@ -119,26 +120,38 @@ def _add_upcast_(accumulator: torch.Tensor, update: torch.Tensor, rows_per_block
 
 
 def _vocab_parallel_statistics(logits: torch.Tensor, labels: torch.Tensor, vocab_group, vocab_start: int):
-    """Log-sum-exp and target logit of each row, and where the target sits in ``logits`` (rows, cols), when the
-    columns are this rank's slice of a vocabulary split over ``vocab_group`` (tensor parallelism, as in
-    Megatron): max and sum of exponentials are all-reduced, and the target logit comes from the rank that owns it.
-    """
+    """Log-sum-exp and target logit of each row, the column of its target in ``logits`` and whether this rank owns
+    it (1/0 in the logits' dtype), when the columns are this rank's slice of a vocabulary split over
+    ``vocab_group`` (tensor parallelism, as in Megatron): max and sum of exponentials are all-reduced, and the
+    target logit comes from the rank that owns it. Every row keeps its place (no ``nonzero``: no host sync)."""
     import torch.distributed as dist
 
     local = labels - vocab_start
     owned = (local >= 0) & (local < logits.shape[1])
     row_max = logits.max(dim=-1).values
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=vocab_group)
-    target = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+    cols = local.clamp(0, logits.shape[1] - 1)
+    target = logits.gather(1, cols[:, None]).squeeze(1)
     sums = torch.stack([torch.exp(logits - row_max[:, None]).sum(dim=-1), torch.where(owned, target, 0.0)])
     dist.all_reduce(sums, group=vocab_group)
-    rows = torch.nonzero(owned, as_tuple=True)[0]
-    return row_max + torch.log(sums[0]), sums[1], rows, local[rows]
+    return row_max + torch.log(sums[0]), sums[1], cols, owned.to(logits.dtype)
+
+
+def labelled_rows(labels: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` entries of 1-d ``labels`` that carry a label, in order, without reading the device
+    (``nonzero`` would: its size depends on the values): each labelled entry is scattered to its rank among them,
+    the others to a spare slot past the end."""
+    keep = labels != IGNORE_INDEX
+    rank = torch.cumsum(keep, dim=0) - 1
+    slots = torch.where(keep, rank, count)
+    index = torch.empty(count + 1, dtype=torch.long, device=labels.device)
+    index.scatter_(0, slots, torch.arange(labels.numel(), device=labels.device))
+    return index[:count]
 
 
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
-    vocab_group=None, vocab_start: int = 0, repeatable_backward: bool = False,
+    vocab_group=None, vocab_start: int = 0, repeatable_backward: bool = False, label_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of token cross-entropy losses of ``hidden @ weight.T`` against ``labels``, and the label count.
 
@@ -151,20 +164,25 @@ def linear_cross_entropy(
     the group by the caller.
 
     ``repeatable_backward``: the backward may run more than once over the same graph (costs a copy of the
-    gradients).
+    gradients). ``label_count``: how many of ``labels`` carry a label, known on the host (the batch's layout);
+    without it the labelled rows are found by ``nonzero``, a host sync on a GPU.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
-    keep = torch.nonzero(labels != IGNORE_INDEX, as_tuple=True)[0]
-    count = keep.numel()
-    if count == 0:
+    if label_count is None:
+        keep = torch.nonzero(labels != IGNORE_INDEX, as_tuple=True)[0]
+        label_count = keep.numel()
+    elif label_count < labels.numel():
+        keep = labelled_rows(labels, label_count)
+    if label_count == 0:
         # keep the graph connected so every rank runs the same backward
         return upcast(hidden.sum() + weight.sum()) * 0.0, torch.zeros((), dtype=torch.long, device=hidden.device)
-    if count < labels.numel():
+    if label_count < labels.numel():
         hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     loss_sum = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, vocab_group, vocab_start,
                                          torch.is_grad_enabled(), repeatable_backward)
-    return loss_sum, torch.tensor(count, device=hidden.device)
+    # a fill kernel, not torch.tensor(): a host-to-device copy would wait for the device
+    return loss_sum, torch.full((), label_count, dtype=torch.long, device=hidden.device)
 
 
 class OutputLayer:
@@ -177,9 +195,10 @@ class OutputLayer:
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden, weight)
 
-    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return linear_cross_entropy(hidden, weight, labels, chunk_size, repeatable_backward=self.repeatable_backward)
+    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+             label_count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear_cross_entropy(hidden, weight, labels, chunk_size, repeatable_backward=self.repeatable_backward,
+                                    label_count=label_count)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,13 @@ class Router(nn.Module):
         return grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token copies routed to each expert ([num_experts] int64) by a fixed-size scatter: ``bincount``'s output size
+    depends on the values, which a GPU makes the host wait for."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(scores: torch.Tensor, num_experts: int, top_k: int, score_func: str) -> torch.Tensor:
     """Megatron's switch loss ``E * sum_i f_i * P_i``: ``P_i`` the mean score of expert i (sigmoid scores
     normalized per token), ``f_i`` its share of the top-k slots *by those scores*, as Megatron-core counts them,
@@ -125,7 +132,7 @@ def load_balancing_loss(scores: torch.Tensor, num_experts: int, top_k: int, scor
     if score_func == "sigmoid":
         probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     chosen = torch.topk(probs, top_k, dim=-1).indices
-    fraction = torch.bincount(chosen.flatten(), minlength=num_experts).to(probs.dtype) / chosen.numel()
+    fraction = expert_counts(chosen, num_experts).to(probs.dtype) / chosen.numel()
     return num_experts * torch.sum(fraction * probs.mean(dim=0))
 
 
@@ -287,7 +294,7 @@ class TokenDispatcher:
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int):
         flat = routing.experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = expert_counts(flat, num_experts)
         token_index = order // routing.experts.shape[1]
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -297,6 +304,9 @@ class TokenDispatcher:
     def copied_from(self, state) -> torch.Tensor | None:
         """``index`` such that the rows :meth:`dispatch` returned are ``x[index]`` (None where they are not)."""
         return state[1][0]
+
+    def end_step(self) -> None:
+        """Called after every optimizer step (dispatchers that keep something per step drop it here)."""
 
     def combine(self, out: torch.Tensor, routing: Routing, state) -> torch.Tensor:
         """[tokens, dim]: each token's rows of ``out`` (in :meth:`dispatch`'s order), weighted and summed."""
@@ -349,7 +359,7 @@ class MoE(nn.Module):
         routing = self.router(tokens)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(routing.experts.flatten(), minlength=self.cfg.num_experts)
+                self.tokens_per_expert += expert_counts(routing.experts, self.cfg.num_experts)
             if self.cfg.aux_loss_coeff > 0:
                 self.aux_loss = self.cfg.aux_loss_coeff * load_balancing_loss(
                     routing.scores, self.cfg.num_experts, self.cfg.top_k, self.cfg.score_func
@@ -393,7 +403,8 @@ def update_expert_bias(model: nn.Module, process_group=None) -> None:
     counts = summed_expert_loads(torch.stack([m.tokens_per_expert for m in layers]), process_group)
     for layer, load in zip(layers, counts):
         rate = layer.cfg.bias_update_rate
-        if rate > 0 and load.sum() > 0:
+        if rate > 0:
+            # a layer that routed nothing keeps its bias: decided on the device, as a factor 0 or 1
             bias = layer.router.score_correction_bias
-            bias += bias_update(load, rate).to(bias.dtype)
+            bias += (bias_update(load, rate) * (load.sum() > 0)).to(bias.dtype)
         layer.tokens_per_expert.zero_()

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.layers.loss import IGNORE_INDEX
 from lightning_moe.models.layers.norm import RMSNorm
-from lightning_moe.models.layers.sequence import SequenceLayout
+from lightning_moe.models.layers.sequence import SequenceLayout, host_label_count
 
 # the decoder's block factory (pattern, config, first attention index) -> ModuleDict, handed in so that the MTP
 # depths run the decoder's own blocks without this file importing the decoder that imports it
@@ -116,7 +116,8 @@ class MultiTokenPrediction(nn.Module):
             if self.config.mtp.shared:  # the next depth's call replaces them: keep each depth's
                 aux_losses += take_aux_losses(depth)
             loss_sum, count = decoder.output_layer.loss(
-                previous, decoder.output_weight, target, self.config.loss_chunk_size
+                previous, decoder.output_weight, target, self.config.loss_chunk_size,
+                label_count=host_label_count(layout, d),
             )
             loss_sums.append(loss_sum)
             counts.append(count)

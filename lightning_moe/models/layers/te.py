@@ -47,7 +47,7 @@ def te_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, scal
     # thd: all rows' tokens back to back, [tokens, heads, dim]; cu_seqlens index the flattened batch
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (q, k, v))
     cu_seqlens = layout.cu_seqlens
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    max_len = layout.max_length
     out = _attention_modules[key](q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                   max_seqlen_q=max_len, max_seqlen_kv=max_len)
     return out.view(batch, seq, heads, v_dim).transpose(1, 2)

@@ -1,0 +1,36 @@
+"""The run card's collective bytes per optimizer step, per kind and mesh dimension (``parallel/comm.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_moe.models.config import ModelConfig
+from lightning_moe.parallel.comm import StepShape, model_comm_bytes
+
+
+def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
+    """``{"<kind> over <mesh dimension>": bytes}`` of one rank's step, or ``{"not counted": why}``; None outside a
+    ``ParallelStrategy`` run of a native decoder."""
+    try:
+        dims = trainer.strategy.parallel_dims
+    except (AttributeError, RuntimeError):  # another strategy, or the meshes were never built
+        dims = None
+    config = getattr(getattr(pl_module, "model", None), "config", None)
+    data = trainer.datamodule
+    seq_len = getattr(data, "seq_length", None) or getattr(data, "packed_sequence_size", None)
+    rows = getattr(data, "micro_batch_size", None)
+    if dims is None or not isinstance(config, ModelConfig) or not (seq_len and rows):
+        return None
+    options = trainer.strategy.parallelize_options
+    shape = StepShape(rows=rows, seq_len=seq_len, micro_batches=trainer.accumulate_grad_batches,
+                      dtype=next(pl_module.model.parameters()).dtype, param_dtype=options["param_dtype"],
+                      reduce_dtype=options["reduce_dtype"],
+                      activation_checkpointing=options["activation_checkpointing"],
+                      activation_checkpointing_every=options["activation_checkpointing_every"])
+    try:
+        counts = model_comm_bytes(config, dims, shape)
+    except NotImplementedError as error:
+        return {"not counted": str(error)}
+    return {f"{kind} over {mesh}": size for (kind, mesh), size in sorted(counts.items())}
