@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.parallel.comm import StepShape, model_comm_bytes
+from lightning_moe.row_length import row_length
 
 
 def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
@@ -19,16 +20,16 @@ def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> d
         dims = None
     config = getattr(getattr(pl_module, "model", None), "config", None)
     data = trainer.datamodule
-    seq_len = getattr(data, "seq_length", None) or getattr(data, "packed_sequence_size", None)
+    length = row_length(data)
     rows = getattr(data, "micro_batch_size", None)
-    if dims is None or not isinstance(config, ModelConfig) or not (seq_len and rows):
+    if dims is None or not isinstance(config, ModelConfig) or length is None or not rows:
         return None
-    options = trainer.strategy.parallelize_options
-    shape = StepShape(rows=rows, seq_len=seq_len, micro_batches=trainer.accumulate_grad_batches,
-                      dtype=next(pl_module.model.parameters()).dtype, param_dtype=options["param_dtype"],
-                      reduce_dtype=options["reduce_dtype"],
-                      activation_checkpointing=options["activation_checkpointing"],
-                      activation_checkpointing_every=options["activation_checkpointing_every"])
+    options = trainer.strategy.parallel_options
+    shape = StepShape(rows=rows, seq_len=length.tokens, micro_batches=trainer.accumulate_grad_batches,
+                      dtype=next(pl_module.model.parameters()).dtype, param_dtype=options.param_dtype,
+                      reduce_dtype=options.reduce_dtype,
+                      activation_checkpointing=options.activation_checkpointing,
+                      activation_checkpointing_every=options.activation_checkpointing_every)
     try:
         counts = model_comm_bytes(config, dims, shape)
     except NotImplementedError as error:

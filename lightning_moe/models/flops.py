@@ -26,16 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from lightning_moe.models.block_flops import ForwardFlops, Sequences
 from lightning_moe.models.batch_layout import BatchLayout
+from lightning_moe.models.block_flops import ForwardFlops, Sequences
 from lightning_moe.models.blocks import pattern_kinds
 from lightning_moe.models.config import ModelConfig
-from lightning_moe.models.layers.loss import IGNORE_INDEX
-from lightning_moe.models.layers.mtp import shift_left
-from lightning_moe.models.layers.sequence import SequenceLayout
 
 
 def pattern_flops(cfg: ModelConfig, pattern: str, seqs: Sequences, first_attention_index: int = 0) -> ForwardFlops:
