@@ -52,8 +52,9 @@ def test_hunyuan_image_3_recipe_keeps_the_rows_ep_which_the_diffusion_path_refus
     from lightning_moe.models.diffusion.config import DiffusionModelConfig
     from lightning_moe.models.diffusion.transformer import build_diffusion_transformer
     from lightning_moe.modules.diffusion import DiffusionModule
-    from lightning_moe.parallel.diffusion import check_diffusion_model
+    from lightning_moe.parallel.diffusion import DIFFUSERS
     from lightning_moe.parallel.dims import MESH_SIZE_NAMES, ParallelDims
+    from lightning_moe.parallel.options import ParallelOptions
 
     recipe = "hunyuan_image/hunyuan_image_3_lora_h100.yaml"
     cfg = load_yaml(CONFIGS / recipe)
@@ -62,8 +63,9 @@ def test_hunyuan_image_3_recipe_keeps_the_rows_ep_which_the_diffusion_path_refus
     dims = ParallelDims(**{k: v for k, v in args.items() if k in MESH_SIZE_NAMES}, world_size=world)
     assert dims.ep == 8 and any(e["field"] == "expert_parallel" for e in differences_block(recipe))
     model = build_diffusion_transformer(DiffusionModule(DiffusionModelConfig(path=str(tiny_pipeline)))._load_family())
-    with pytest.raises(ValueError, match="ep=8: QwenImageTransformer2DModel trains with data parallelism"):
-        check_diffusion_model(dims, model)
+    with pytest.raises(ValueError, match="ep=8: QwenImageTransformer2DModel runs through diffusers, where it trains "
+                                         "with data parallelism"):
+        DIFFUSERS.check(model, dims, ParallelOptions())
 
 def _fit(twin: str, *overrides: str) -> None:
     with mock.patch.object(sys, "argv", ["lightning-moe"]):
