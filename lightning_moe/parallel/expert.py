@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe.models.layers.moe import MoE, Routing, TokenDispatcher
+from lightning_moe.models.layers.mtp import MultiTokenPrediction
 from lightning_moe.parallel.collectives import all_to_all_autograd
 from lightning_moe.parallel.local_params import use_local_parameters
 
@@ -37,6 +38,10 @@ class AllToAllDispatcher(TokenDispatcher):
         self.num_local_experts = num_local_experts
         # the splits of this step's forwards, in order, for the recomputation of checkpointed forwards
         self._kept: deque = deque()
+        # off for a layer that runs several times per forward (a shared MTP layer): its recomputations come in
+        # reverse order within a micro-batch but in forward order across a pipeline's micro-batches, so they
+        # exchange and read their splits again
+        self.keep_splits = True
 
     @torch.compiler.disable  # host bookkeeping: compiled blocks call it eagerly
     def _splits(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -53,7 +58,7 @@ class AllToAllDispatcher(TokenDispatcher):
         received = received.view(self.ranks, self.num_local_experts)
         sent = counts.view(self.ranks, self.num_local_experts).sum(dim=1)
         send_splits, recv_splits = torch.stack([sent, received.sum(dim=1)]).tolist()
-        if torch.is_grad_enabled() and not recomputing:
+        if self.keep_splits and torch.is_grad_enabled() and not recomputing:
             self._kept.append((received, send_splits, recv_splits))
         return received, send_splits, recv_splits
 
@@ -114,6 +119,8 @@ def apply_expert_parallel(
     """Shard the experts of every MoE layer of ``model`` (meta device) over ``ep_mesh`` and swap in
     ``dispatcher(process_group, num_local_experts)``."""
     ranks = ep_mesh.size()
+    repeated = {id(layer) for mtp in model.modules() if isinstance(mtp, MultiTokenPrediction)
+                and len(mtp.depth_modules()) > len(mtp.depths) for layer in mtp.modules()}
     for moe in model.modules():
         if not isinstance(moe, MoE):
             continue
@@ -121,3 +128,5 @@ def apply_expert_parallel(
         total = experts.num_experts
         shard_stacked_experts(experts, ep_mesh, total)
         moe.dispatcher = dispatcher(ep_mesh.get_group(), total // ranks)
+        if id(moe) in repeated and isinstance(moe.dispatcher, AllToAllDispatcher):
+            moe.dispatcher.keep_splits = False
