@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 
-from lightning_moe.modules.step_metrics import planned_optimizer_steps
+from lightning_moe.modules.step_metrics import trainer_planned_steps
 
 
 class StepProgressBar(RichProgressBar):
@@ -24,9 +24,7 @@ class StepProgressBar(RichProgressBar):
 
     @property
     def total_train_batches(self) -> float:
-        trainer = self.trainer
-        return planned_optimizer_steps(trainer.max_steps, trainer.max_epochs, trainer.num_training_batches,
-                                       trainer.accumulate_grad_batches)
+        return trainer_planned_steps(self.trainer)
 
     def _get_train_description(self, current_epoch: int) -> str:
         description = "Step"

@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 
-from lightning_moe.callbacks.progress import planned_optimizer_steps
+from lightning_moe.modules.step_metrics import trainer_planned_steps
 
 # (logged metric, label, format) in the order of the line
 FIELDS = (
@@ -79,8 +79,7 @@ class StepLines(ProgressBar):
         if step == self._last_step:  # inside an accumulation window
             return
         self._last_step = step
-        total = planned_optimizer_steps(trainer.max_steps, trainer.max_epochs, trainer.num_training_batches,
-                                        trainer.accumulate_grad_batches)
+        total = trainer_planned_steps(trainer)
         if self.is_enabled and (step % max(trainer.log_every_n_steps, 1) == 0 or step == total):
             self._write(self.step_line(trainer, pl_module, step, total))
 

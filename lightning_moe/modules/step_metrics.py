@@ -30,14 +30,19 @@ def planned_optimizer_steps(max_steps: int | None, max_epochs: int | None, batch
     return max_epochs * math.ceil(batches_per_epoch / max(accumulate_grad_batches, 1))
 
 
+def trainer_planned_steps(trainer) -> float:
+    """:func:`planned_optimizer_steps` of ``trainer``'s settings."""
+    return planned_optimizer_steps(trainer.max_steps, trainer.max_epochs, trainer.num_training_batches,
+                                   trainer.accumulate_grad_batches)
+
+
 def logging_step(trainer, step: int | None = None) -> bool:
     """Optimizer step ``step`` (default: the one just completed, ``trainer.global_step``) is one whose values are
     read back and logged: every ``log_every_n_steps`` (Lightning's logging steps), the run's last planned step, a
     stop, ``fast_dev_run``."""
     step = trainer.global_step if step is None else step
     every = trainer.log_every_n_steps
-    last = planned_optimizer_steps(trainer.max_steps, trainer.max_epochs, trainer.num_training_batches,
-                                   trainer.accumulate_grad_batches)
+    last = trainer_planned_steps(trainer)
     return bool((every > 0 and step % every == 0) or step >= last or trainer.should_stop or trainer.fast_dev_run)
 
 

@@ -15,10 +15,11 @@ from rich.console import Console
 from tiny_lm import TinyLM, loader, make_trainer, tiny_config
 
 from lightning_moe.callbacks import peak_flops
-from lightning_moe.callbacks.progress import StepProgressBar, planned_optimizer_steps
+from lightning_moe.callbacks.progress import StepProgressBar
 from lightning_moe.callbacks.summary import ModelSummary
 from lightning_moe.cli import replace_lightning_defaults
 from lightning_moe.models.flops import flops_per_token
+from lightning_moe.modules.step_metrics import planned_optimizer_steps
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
