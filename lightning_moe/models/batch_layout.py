@@ -26,6 +26,14 @@ def shift_left(x: np.ndarray, steps: int, fill: int) -> np.ndarray:
     return out
 
 
+def sequence_bounds(positions: np.ndarray) -> np.ndarray:
+    """Flat indices of ``positions`` ([batch, seq]) where a sequence starts (a position of 0, or a row's first
+    token), then its size: the cumulative sequence lengths of the flattened rows."""
+    starts = positions == 0
+    starts[:, 0] = True
+    return np.append(np.flatnonzero(starts), positions.size)
+
+
 class BatchLayout:
     """``position_ids`` and ``labels`` ([batch, seq] int64 numpy arrays; labels pre-shifted, -100 without loss) of
     whole rows; ``columns``: the sequence positions this rank holds (all of them when None)."""
@@ -68,13 +76,7 @@ class BatchLayout:
     @property
     def cu_seqlens(self) -> np.ndarray:
         """Cumulative sequence lengths over this rank's flattened columns (int32), the varlen kernels' format."""
-        def compute():
-            local = self._local(self.position_ids)
-            starts = local == 0
-            starts[:, 0] = True
-            return np.append(np.flatnonzero(starts), local.size).astype(np.int32)
-
-        return self._cached("cu_seqlens", compute)
+        return self._cached("cu_seqlens", lambda: sequence_bounds(self._local(self.position_ids)).astype(np.int32))
 
     @property
     def max_length(self) -> int:
@@ -84,12 +86,7 @@ class BatchLayout:
     @property
     def sequence_lengths(self) -> np.ndarray:
         """Lengths of every sequence of the whole rows, in order (int64): what the FLOP count runs over."""
-        def compute():
-            starts = self.position_ids == 0
-            starts[:, 0] = True
-            return np.diff(np.append(np.flatnonzero(starts), self.position_ids.size)).astype(np.int64)
-
-        return self._cached("sequence_lengths", compute)
+        return self._cached("sequence_lengths", lambda: np.diff(sequence_bounds(self.position_ids)).astype(np.int64))
 
     def _documents(self) -> np.ndarray:
         positions = self.position_ids
