@@ -6,6 +6,8 @@ PYTHON ?= python3
 # the torch requirement, installed first; the build (CPU or a CUDA version) is whichever pip's indexes offer
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# test processes run side by side (pytest-xdist), one core each; the distributed tests' ranks come on top
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -24,7 +26,7 @@ quickstart: $(STAMP)
 	$(VENV)/bin/lightning-moe fit --config configs/quickstart.yaml
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_moe tests benchmarks

@@ -1,4 +1,4 @@
-"""Test-wide settings: offline Hugging Face, quiet logs, deterministic CPU threads."""
+"""Test-wide settings: offline Hugging Face, quiet logs, one CPU thread per parallel test process."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LIGHTNING_MOE_CACHE", tempfile.mkdtemp(prefix="lightning-moe-cache-"))
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # each of the parallel test processes computes on one core instead of all of them competing for every core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
