@@ -1,15 +1,15 @@
 """Run a function on several CPU processes joined by gloo, the way the distributed tests need it.
 
-``run_distributed_test(fn, world_size, *args)`` starts ``world_size`` fresh processes, initializes a gloo process group in each,
-calls ``fn(*args)`` and re-raises the first failure in the caller with the rank and traceback (the other
-ranks are stopped two seconds after a failure, rather than left waiting in a collective until the timeout). ``fn`` must
-be importable by the children, i.e. a module-level function. One launch should still check several things.
+``run_distributed_test(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo process group
+in each, calls ``fn(*args)`` and re-raises the first failure in the caller with the rank and traceback (the other
+ranks are stopped two seconds after a failure, rather than left waiting in a collective until the timeout). ``fn``
+must be importable by the children, i.e. a module-level function. One launch should still check several things.
 
 The ranks come from a fork server (multiprocessing's "forkserver"), never from a fork of the test process: the
-server is a fresh interpreter started once per test session, which imports torch, Lightning, transformers and the
-package (``tests/rank_preload.py``, one thread) and never runs a test; each rank is a fork of that clean server. A
-rank thus sees none of the test process's threads, locks or state, as with "spawn", without paying the seconds of
-imports each spawned interpreter costs.
+server is a fresh interpreter started once per test process, which imports torch, Lightning, transformers and the
+package on one thread (``tests/rank_preload.py``) and never runs a test; each rank is a fork of that clean server.
+A rank thus sees none of the test process's threads, locks or state, as with "spawn", without paying the seconds
+of imports each spawned interpreter costs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import torch.multiprocessing as mp
 # two minutes there), so a slow machine never turns a test red.
 HANG_GUARD_S = 1800
 
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["tests.rank_preload"])  # read when the server starts, at the first launch
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -40,10 +43,8 @@ def _worker(rank: int, world_size: int, port: int, errors, call: bytes, env: dic
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0")
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     if init_process_group:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -70,16 +71,14 @@ def run_distributed_test(fn, world_size: int, *args, env: dict[str, str] | None 
     ``WORLD_SIZE``), so a Lightning ``Trainer(devices=world_size)`` inside ``fn`` joins them as externally
     launched processes; pass ``init_process_group=False`` to let it create the process group itself.
     """
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["tests.rank_preload"])  # takes effect when the server starts
-    errors = context.SimpleQueue()
+    errors = _CONTEXT.SimpleQueue()
     port = _free_port()
     # by value: multiprocessing would hand each tensor's storage over as a file descriptor, and a fork server
     # takes at most a few hundred of them per process
     call = pickle.dumps((fn, args))
     base_env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
-        context.Process(target=_worker, args=(rank, world_size, port, errors, call, base_env, init_process_group), daemon=True)
+        _CONTEXT.Process(target=_worker, args=(rank, world_size, port, errors, call, base_env, init_process_group), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:

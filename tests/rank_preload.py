@@ -1,6 +1,7 @@
 """Imported once by the distributed tests' fork server, so that every rank starts with the heavy libraries loaded.
 
-One thread before torch loads: the server forks the ranks, and a fork must find no thread pool to copy.
+One thread, set before torch loads: the server forks the ranks, a fork must find no thread pool to copy, and the
+ranks inherit the setting (the one place it is made for them).
 """
 
 import os
