@@ -1,7 +1,7 @@
 """Collective bytes of one optimizer step of the MoE twin (``configs/tiny/moe_benchmark.yaml``) on 4 CPU processes,
 counted by ``lightning_moe.debug.comm_bytes`` (every collective and point-to-point transfer of each rank, by kind and
-mesh dimension), for the layouts tp2 x ep2 and pp2 x fsdp2, with the analytic count of ``parallel/comm.py`` where it
-covers the layout.
+mesh dimension), for the layouts tp2 x ep2 and pp2 x fsdp2, with the analytic count of ``parallel/comm.py`` (the run
+card's row) where it covers the layout.
 
     python benchmarks/bench_comm.py [--step 3]
 """
@@ -35,6 +35,12 @@ def measure(name: str, overrides: list[str], step: int, root: Path) -> dict[int,
     return {rank: json.loads((folder / f"comm_{rank}.json").read_text()) for rank in range(4)}
 
 
+def analytic(name: str, root: Path) -> dict:
+    """Rank 0's analytic count, from the run card of the layout's run."""
+    card = next((root / name.replace(" ", "")).rglob("run_card.json"))
+    return json.loads(card.read_text()).get("comm_bytes_per_step") or {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step", type=int, default=3, help="the optimizer step counted (after warmup)")
@@ -48,6 +54,9 @@ def main() -> None:
             for row in rows:
                 cells = [ranks[r].get(row) for r in ranks]
                 print(f"  {row:<40}" + "".join(f"{f'{c[1]:,} ({c[0]})' if c else '-':>22}" for c in cells))
+            print(f"{name}: analytic bytes per optimizer step, rank 0 (parallel/comm.py)")
+            for row, size in analytic(name, Path(root)).items():
+                print(f"  {row:<40}{size if isinstance(size, str) else f'{size:,}':>22}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class CommBytesCounter(pl.Callback):
     """Counts the collective bytes of one optimizer step during ``fit`` (step ``step``, from its first micro-batch to
     its end) and writes them to ``report`` (``{rank}`` in the path: every rank its own file) as
     ``{"<kind> over <group>": [calls, bytes]}``, each group named by the mesh dimensions of the strategy's
-    ``parallel_dims`` that use it (``ep=fsdp`` when two share one)."""
+    ``parallel_dims`` over its ranks (``ep=fsdp`` when two share them; groups over the same ranks add up)."""
 
     def __init__(self, report: str, step: int = 3) -> None:
         self.report, self.step = report, step
@@ -105,24 +105,42 @@ class CommBytesCounter(pl.Callback):
         if self._context is not None and trainer.global_step == self.step:
             self._context.__exit__(None, None, None)
             self._context = None
-            names = group_names(trainer.strategy.parallel_dims)
-            table = {f"{kind} over {names.get(group, group)}": value for (kind, group), value in sorted(self.counts.items())}
+            names = group_names(trainer.strategy.parallel_dims, {group for _, group in self.counts})
+            table: dict[str, list[int]] = {}
+            for (kind, group), (calls, size) in sorted(self.counts.items()):
+                entry = table.setdefault(f"{kind} over {names[group]}", [0, 0])
+                entry[0] += calls
+                entry[1] += size
             path = Path(self.report.replace("{rank}", str(trainer.global_rank)))
             if "{rank}" in self.report or trainer.is_global_zero:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(table, indent=2) + "\n")
 
 
-def group_names(dims) -> dict[str, str]:
-    """``{process group name: "dim" or "dim=dim"}`` for the one-dimensional meshes of ``dims``."""
+def group_names(dims, groups) -> dict[str, str]:
+    """``{process group name: "dim" or "dim=dim"}`` for ``groups`` (names of process groups), each named by the
+    one-dimensional meshes of ``dims`` over the same ranks: DTensor and the meshes of expert parallelism may make
+    several process groups over one set of ranks."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    names: dict[str, list[str]] = {dist.group.WORLD.group_name: ["world"]}
+    by_ranks: dict[tuple[int, ...], list[str]] = {tuple(range(dist.get_world_size())): ["world"]}
     for dim in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "fsdp", "expert_fsdp", "dp_cp", "stage"):
         try:
             mesh = dims.mesh(dim)
         except KeyError:
             continue
         if mesh.ndim == 1 and mesh.size() > 1:
-            names.setdefault(mesh.get_group().group_name, []).append(dim)
-    return {group: "=".join(dims) for group, dims in names.items()}
+            by_ranks.setdefault(group_ranks(mesh.get_group()), []).append(dim)
+    names = {}
+    for group in groups:
+        ranks = group_ranks(_resolve_process_group(group))
+        names[group] = "=".join(by_ranks.get(ranks, [f"ranks {list(ranks)}"]))
+    return names
+
+
+def group_ranks(group) -> tuple[int, ...]:
+    """The global ranks of a process group, in order."""
+    import torch.distributed as dist
+
+    return tuple(sorted(dist.get_process_group_ranks(group)))

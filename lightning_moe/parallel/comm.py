@@ -2,20 +2,35 @@
 
 What one rank's collectives handle in one optimizer step of ``micro_batches`` forward + backward passes (the bytes
 of each call as :mod:`lightning_moe.debug.comm_bytes` counts them: an all-gather's gathered output, a
-reduce-scatter's input, an all-to-all's input), by kind and mesh dimension:
+reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh dimension:
 
 - FSDP2 (``fsdp`` mesh; the experts of expert-parallel MoE layers on ``expert_fsdp``): per micro-batch and FSDP
   unit (each block, each MTP depth, the root with the embedding, final norm and output layer) one all-gather in
   forward, one more in backward for the blocks (they are resharded after forward, the root is not), and one
   reduce-scatter of the gradients (none over a mesh of one rank). A parameter's shard is ``ceil(rows / ranks)``
-  rows of it (FSDP pads the last); all-gathers move ``param_dtype``, reduce-scatters ``reduce_dtype``.
+  rows of this rank's tensor-parallel part of it (FSDP pads the last); all-gathers move ``param_dtype``,
+  reduce-scatters ``reduce_dtype``. HSDP all-reduces the reduce-scattered shards over ``dp_replicate`` once per
+  step (the micro-batches before the last defer it).
+- Tensor parallelism (``tp`` mesh), per micro-batch: the embedding's partial rows reduce-scattered to sequence
+  shards (forward) and the gradient all-gathered back; per linear group a record gathers (``models/blocks.py``:
+  attention's q/k/v, an MLP, shared experts) the sequence all-gathered on entry and the row-wise output
+  reduce-scattered, the reverse in backward, and the all-gather again where a checkpointed block recomputes its
+  forward (the reduce-scatters' outputs are kept); the output layer's all-gather of the hidden states (backward: a
+  reduce-scatter) and the vocabulary-parallel cross entropy's three fp32 statistics per labelled token; a
+  load-balancing loss's mean. Replicated parameters' partial gradients (norms, routers, experts without expert
+  parallelism) are all-reduced once per step without FSDP, every micro-batch with it.
+- Context parallelism (``cp`` mesh), per micro-batch: the row's positions (int64) all-gathered once per forward;
+  per attention block the keys and values all-gathered (again in a recomputed forward), their gradients
+  reduce-scattered.
 - Expert parallelism (``ep`` mesh), per MoE layer and micro-batch: the per-expert counts (int64), the token copies
   out and the expert outputs back, and both again in backward; a checkpointed block runs its forward again in
-  backward, the copies' exchanges included (the counts are not exchanged again: ``parallel/expert.py``). Token
-  traffic is exact for balanced routing (``moe.force_balanced``, the benchmarks' setting): each rank then receives
-  as many copies as it sends.
+  backward, the copies' exchanges included (the counts are not exchanged again: ``parallel/expert.py``). Each rank
+  routes its own tokens (its sequence shard under TP and CP). Token traffic is exact for balanced routing
+  (``moe.force_balanced``, the benchmarks' setting): each rank then receives as many copies as it sends.
 
-Not counted yet (refused by name): tensor, context and pipeline parallelism, HSDP replicas.
+Not counted yet (refused by name, :func:`check_counted`): pipeline parallelism, tensor parallelism of MLA, of
+token-for-head trading mixers (Mamba-2, GDN, KDA) and of MTP; context parallelism of those and of MLA, or together
+with tensor parallelism; HSDP together with expert parallelism.
 """
 
 from __future__ import annotations
@@ -27,10 +42,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_moe.models.blocks import submodule
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
+from lightning_moe.parallel.tensor import split_dimensions
+
+CE_STATISTICS = 3  # fp32 values per labelled token all-reduced by the vocabulary-parallel cross entropy
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -38,67 +58,148 @@ class StepShape:
     """One rank's micro-batches of an optimizer step and the dtypes they run in."""
 
     rows: int  # rows of each micro-batch on this rank
-    seq_len: int
+    seq_len: int  # the whole row's length (context parallelism splits it)
     micro_batches: int = 1
-    dtype: torch.dtype = torch.float32  # of the parameters and activations
+    dtype: torch.dtype = torch.float32  # of the parameters (and of the activations without param_dtype)
     param_dtype: torch.dtype | None = None  # FSDP's mixed-precision policy (None: the parameters' dtype)
     reduce_dtype: torch.dtype | None = torch.float32
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 1
-
-
-def _shard_bytes(params: list[nn.Parameter], ranks: int, element_size: int, expert_split: int = 1) -> int:
-    """Bytes of the whole padded tensor FSDP gathers from ``ranks`` shards (``expert_split``: the leading dimension
-    is already divided by expert parallelism)."""
-    numel = 0
-    for param in params:
-        rows = param.shape[0] // expert_split if param.dim() else 1
-        numel += ranks * math.ceil(rows / ranks) * (param[0].numel() if param.dim() else 1)
-    return numel * element_size
+    label_tokens: int | None = None  # labelled tokens of a micro-batch on this rank (None: every token)
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def check_counted(config: ModelConfig, dims) -> None:
+    """Raise ``NotImplementedError`` naming the layout or block kind :func:`model_comm_bytes` does not count."""
+    def refuse(what: str) -> None:
+        raise NotImplementedError(f"model_comm_bytes: {what} is not counted yet")
+
+    if dims.pp > 1:
+        refuse(f"pp={dims.pp}")
+    if dims.dp_replicate > 1 and dims.ep > 1:
+        refuse(f"dp_replicate={dims.dp_replicate} with ep={dims.ep}")
+    if dims.cp > 1 and dims.tp > 1:
+        refuse(f"cp={dims.cp} with tp={dims.tp}")
+    with torch.device("meta"):
+        model = Decoder(config)
+    if config.mtp is not None and (dims.tp > 1 or dims.cp > 1):
+        refuse(f"MTP with tp={dims.tp}, cp={dims.cp}")
+    for _, block in repeated_blocks(model):
+        kind = block.kind
+        if dims.tp > 1 and (kind.tensor.local is not None or kind.tensor.trades_heads):
+            refuse(f"tensor parallelism of {kind.name} blocks")
+        if dims.cp > 1 and kind.context is not None and kind.name != "gqa":
+            refuse(f"context parallelism of {kind.name} blocks")
+
+
 def model_comm_bytes(config: ModelConfig, dims, shape: StepShape) -> dict[tuple[str, str], int]:
     """``{(kind, mesh dimension): bytes}`` this rank's collectives handle per optimizer step (module docstring)."""
-    for name, size in (("tp", dims.tp), ("cp", dims.cp), ("pp", dims.pp), ("dp_replicate", dims.dp_replicate)):
-        if size > 1:
-            raise NotImplementedError(f"model_comm_bytes: {name}={size} is not counted yet (fsdp and ep are)")
+    check_counted(config, dims)
     with torch.device("meta"):
         model = Decoder(config)
     total: dict[tuple[str, str], int] = defaultdict(int)
-    m = shape.micro_batches
-    fsdp_ranks = dims.dp_shard * dims.cp
-    if fsdp_ranks > 1:
-        gather = _element_size(shape.param_dtype or shape.dtype)
-        reduce = _element_size(shape.reduce_dtype or shape.param_dtype or shape.dtype)
-        expert_ranks = dims.ep_shard
-        in_blocks = set()
-        for _, block in repeated_blocks(model):
-            experts = [p for moe in block.modules() if isinstance(moe, MoE) for p in moe.experts.parameters()]
-            expert_ids = {id(p) for p in experts} if dims.ep > 1 else set()
-            dense = [p for p in block.parameters() if id(p) not in expert_ids]
-            in_blocks.update(id(p) for p in block.parameters())
-            units = [("fsdp", dense, fsdp_ranks, 1)]
-            if expert_ids:
-                units.append(("expert_fsdp", experts, expert_ranks, dims.ep))
-            for mesh, params, ranks, split in units:
-                if ranks == 1:  # FSDP gathers and reduces nothing over one rank
-                    continue
-                total[("all_gather", mesh)] += 2 * m * _shard_bytes(params, ranks, gather, split)
-                total[("reduce_scatter", mesh)] += m * _shard_bytes(params, ranks, reduce, split)
-        root = [p for p in model.parameters() if id(p) not in in_blocks]
-        total[("all_gather", "fsdp")] += m * _shard_bytes(root, fsdp_ranks, gather)
-        total[("reduce_scatter", "fsdp")] += m * _shard_bytes(root, fsdp_ranks, reduce)
+    tp_split = split_dimensions(model) if dims.tp > 1 else {}
+    expert_ids = {id(p) for moe in model.modules() if isinstance(moe, MoE) for p in moe.experts.parameters()}
+    checkpointed = {id(block) for _, block in checkpointed_blocks(
+        model, shape.activation_checkpointing, shape.activation_checkpointing_every)}
+
+    def local_shape(param: nn.Parameter) -> list[int]:
+        """This rank's part of ``param`` before FSDP: split by tensor parallelism, routed experts by EP."""
+        size = list(param.shape) or [1]
+        if id(param) in tp_split:
+            size[tp_split[id(param)]] //= dims.tp
+        if id(param) in expert_ids and dims.ep > 1:
+            size[0] //= dims.ep
+        return size
+
+    _fsdp(model, dims, shape, total, local_shape, expert_ids if dims.ep > 1 else set())
+    if dims.tp > 1:
+        _tensor(model, dims, shape, total, tp_split, expert_ids, checkpointed)
+    if dims.cp > 1:
+        _context(model, shape, total, checkpointed)
     if dims.ep > 1:
-        checkpointed = {id(block) for _, block in checkpointed_blocks(
-            model, shape.activation_checkpointing, shape.activation_checkpointing_every)}
-        tokens = shape.rows * shape.seq_len
-        for _, block in repeated_blocks(model):
-            for moe in (mod for mod in block.modules() if isinstance(mod, MoE)):
-                copies = tokens * moe.cfg.top_k * (moe.cfg.latent_size or config.hidden_size) * _element_size(shape.dtype)
-                passes = 3 if id(block) in checkpointed else 2  # forward, (recomputed forward,) backward
-                total[("all_to_all", "ep")] += m * (8 * moe.cfg.num_experts + passes * 2 * copies)
+        _experts(model, config, dims, shape, total, checkpointed)
     return dict(total)
+
+
+def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expert_ids: set[int]) -> None:
+    fsdp_ranks = dims.dp_shard * dims.cp
+    if fsdp_ranks * dims.dp_replicate == 1:
+        return
+    m = shape.micro_batches
+    gather = _element_size(shape.param_dtype or shape.dtype)
+    reduce = _element_size(shape.reduce_dtype or shape.param_dtype or shape.dtype)
+
+    def padded(params: list[nn.Parameter], ranks: int) -> int:
+        """Elements of the whole padded tensors FSDP gathers from ``ranks`` shards."""
+        return sum(ranks * math.ceil(size[0] / ranks) * math.prod(size[1:]) for size in map(local_shape, params))
+
+    def unit(mesh: str, params: list[nn.Parameter], ranks: int, gathers: int) -> None:
+        if ranks > 1:  # FSDP gathers and reduces nothing over one rank
+            total[("all_gather", mesh)] += gathers * m * padded(params, ranks) * gather
+            total[("reduce_scatter", mesh)] += m * padded(params, ranks) * reduce
+        if dims.dp_replicate > 1:  # this rank's shard, once per step
+            total[("all_reduce", "dp_replicate")] += padded(params, ranks) // ranks * reduce
+
+    in_blocks = set()
+    for _, block in repeated_blocks(model):
+        params = list(block.parameters())
+        in_blocks.update(id(p) for p in params)
+        unit("fsdp", [p for p in params if id(p) not in expert_ids], fsdp_ranks, 2)
+        experts = [p for p in params if id(p) in expert_ids]
+        if experts:
+            unit("expert_fsdp", experts, dims.ep_shard, 2)
+    unit("fsdp", [p for p in model.parameters() if id(p) not in in_blocks], fsdp_ranks, 1)
+
+
+def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[int, int], expert_ids: set[int],
+            checkpointed: set[int]) -> None:
+    m = shape.micro_batches
+    act = _element_size(shape.param_dtype or shape.dtype)
+    hidden = shape.rows * shape.seq_len * model.config.hidden_size * act  # the whole sequence's hidden states
+    gathers = reduces = 2  # the embedding's and the output layer's, forward and backward
+    aux_means = 0
+    for _, block in repeated_blocks(model):
+        groups = sum(1 for group in block.kind.tensor.gathered if submodule(block, group.owner) is not None)
+        recomputed = id(block) in checkpointed
+        gathers += groups * (3 if recomputed else 2)
+        reduces += groups * 2
+        moe = getattr(block, block.kind.attribute, None)
+        if block.kind.tensor.shard_loss and isinstance(moe, MoE) and moe.cfg.aux_loss_coeff > 0:
+            aux_means += 1  # a recomputed forward keeps the first mean
+    total[("all_gather", "tp")] += m * gathers * hidden
+    total[("reduce_scatter", "tp")] += m * reduces * hidden
+    labels = shape.rows * shape.seq_len if shape.label_tokens is None else shape.label_tokens
+    total[("all_reduce", "tp")] += m * (CE_STATISTICS * labels + aux_means) * _element_size(torch.float32)
+    replicated = sum(p.numel() for p in model.parameters()
+                     if id(p) not in tp_split and not (dims.ep > 1 and id(p) in expert_ids))
+    with_fsdp = dims.dp_shard * dims.dp_replicate * dims.cp > 1
+    grad = _element_size(shape.reduce_dtype or shape.dtype) if with_fsdp else _element_size(shape.dtype)
+    total[("all_reduce", "tp")] += (m if with_fsdp else 1) * replicated * grad
+
+
+def _context(model: Decoder, shape: StepShape, total: dict, checkpointed: set[int]) -> None:
+    m = shape.micro_batches
+    act = _element_size(shape.param_dtype or shape.dtype)
+    total[("all_gather", "cp")] += m * shape.rows * shape.seq_len * INT64  # the row's positions
+    for _, block in repeated_blocks(model):
+        if block.kind.context != "attend":
+            continue
+        attn = getattr(block, block.kind.attribute)
+        kv = shape.rows * shape.seq_len * (attn.k_proj.out_features + attn.v_proj.out_features) * act
+        total[("all_gather", "cp")] += m * (2 if id(block) in checkpointed else 1) * kv
+        total[("reduce_scatter", "cp")] += m * kv
+
+
+def _experts(model: Decoder, config: ModelConfig, dims, shape: StepShape, total: dict, checkpointed: set[int]) -> None:
+    tokens = shape.rows * shape.seq_len // (dims.tp * dims.cp)  # each rank routes its own sequence shard
+    act = _element_size(shape.param_dtype or shape.dtype)
+    for _, block in repeated_blocks(model):
+        for moe in (mod for mod in block.modules() if isinstance(mod, MoE)):
+            copies = tokens * moe.cfg.top_k * (moe.cfg.latent_size or config.hidden_size) * act
+            passes = 3 if id(block) in checkpointed else 2  # forward, (recomputed forward,) backward
+            total[("all_to_all", "ep")] += shape.micro_batches * (INT64 * moe.cfg.num_experts + passes * 2 * copies)
+

@@ -195,19 +195,26 @@ def split_parameters(model: nn.Module) -> set[int]:
     whole on every tensor-parallel rank): the embedding and output rows, the split linears' weights (and the
     column-wise ones' biases, with each LoRA adapter split like its base) and the sharded per-head parameters,
     as :func:`apply_tensor_parallel` places them. The memory estimate reads it."""
+    return set(split_dimensions(model))
+
+
+def split_dimensions(model: nn.Module) -> dict[int, int]:
+    """``{id(parameter): the dimension tensor parallelism splits}`` of :func:`split_parameters`' parameters (the
+    communication count sizes each rank's shards with it)."""
     from torch.distributed.tensor import Replicate
 
-    split = {id(model.embed.weight)} | ({id(model.lm_head.weight)} if model.lm_head is not None else set())
+    split = {id(model.embed.weight): 0} | ({id(model.lm_head.weight): 0} if model.lm_head is not None else {})
     for prefix, block in _named_blocks(model):
         for _, linear, style in block_split_linears(block, prefix):
             for part, module in lora_parts(linear):
                 for leaf, param in module.named_parameters(recurse=False):
-                    if lora_placement(style, part, leaf) != Replicate():
-                        split.add(id(param))
+                    placement = lora_placement(style, part, leaf)
+                    if placement != Replicate():
+                        split[id(param)] = placement.dim
         for name in block.kind.tensor.sharded:
             param = submodule(block, name)
             if param is not None:
-                split.add(id(param))
+                split[id(param)] = 0
     return split
 
 

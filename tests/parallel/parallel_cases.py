@@ -44,7 +44,8 @@ def tiny_config(name: str) -> ModelConfig:
     """``llama``: dense GQA. ``qwen3_moe``: qk-norm, a dense block then an MoE block. ``qwen3_moe_skewed``:
     the same with a selection bias that sends every token to experts 0 and 1. ``gpt_oss_like``: tied
     embeddings, attention biases and sinks, a sliding window on the first layer, squared-ReLU MLPs with bias.
-    ``qwen3_moe_balanced``: the same with round-robin routing (the benchmarks'). ``deepseek_like``: MLA,
+    ``qwen3_moe_balanced``: the same with round-robin routing (the benchmarks'), ``qwen3_moe_balanced_aux`` with a
+    load-balancing loss too. ``deepseek_like``: MLA,
     group-limited sigmoid routing with a shared expert, one MTP depth; ``mla_moe``: the same without MTP (context parallelism does not split MTP heads); ``deepseek_shared_mtp``: one MTP layer
     applied at 2 depths (Megatron's repeated MTP layer)."""
     if name in ("deepseek_like", "mla_moe", "deepseek_shared_mtp"):
@@ -120,12 +121,13 @@ def tiny_config(name: str) -> ModelConfig:
             family="llama", vocab_size=64, hidden_size=32, pattern="*-*-",
             attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8), mlp=MLPConfig(64), init_std=0.05,
         )
-    if name in ("qwen3_moe", "qwen3_moe_skewed", "qwen3_moe_balanced"):
+    if name in ("qwen3_moe", "qwen3_moe_skewed", "qwen3_moe_balanced", "qwen3_moe_balanced_aux"):
         return ModelConfig(
             family="qwen3_moe", vocab_size=64, hidden_size=32, pattern="*-*E",
             attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True), mlp=MLPConfig(64),
             moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=16, norm_topk_prob=True,
-                          score_correction_bias=name.endswith("skewed"), force_balanced=name.endswith("balanced")),
+                          score_correction_bias=name.endswith("skewed"), force_balanced="balanced" in name,
+                          aux_loss_coeff=0.01 if name.endswith("aux") else 0.0),
             init_std=0.05,
         )
     raise ValueError(name)

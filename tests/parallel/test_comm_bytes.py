@@ -1,21 +1,51 @@
 """The bytes each collective handles in an optimizer step, counted on gloo ranks, equal the analytic count of
-``lightning_moe.parallel.comm`` exactly: FSDP2 all-gathers and reduce-scatters, expert-parallel all-to-alls, with
-and without activation checkpointing, at 2 and 4 ranks (one launch per rank count)."""
+``lightning_moe.parallel.comm`` exactly, by kind and mesh dimension: FSDP2 all-gathers and reduce-scatters, HSDP's
+all-reduces, tensor-parallel gathers, reduce-scatters and all-reduces, context-parallel key/value exchanges,
+expert-parallel all-to-alls, alone and in pairs, with and without activation checkpointing, at 2 and 4 ranks (one
+launch per rank count). Layouts it does not count are refused by name."""
 
 from __future__ import annotations
 
 import pytest
 from comm_cases import check_layouts
 from distributed_harness import run_distributed_test
+from parallel_cases import tiny_config
+
+from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.comm import StepShape, model_comm_bytes
+
+AUX = "qwen3_moe_balanced_aux"  # with a load-balancing loss, whose mean tensor parallelism all-reduces
 
 
 @pytest.mark.distributed
 def test_counted_bytes_equal_the_analytic_count_on_2_ranks():
-    run_distributed_test(check_layouts, 2, [{"dp_shard": 2}, {"dp_shard": 2, "ac": "full"},
-                                            {"dp_shard": 2, "ep": 2}, {"dp_shard": 2, "ep": 2, "ac": "full"}])
+    run_distributed_test(check_layouts, 2, [
+        {"dp_shard": 2}, {"dp_shard": 2, "ac": "full"}, {"dp_shard": 2, "ep": 2}, {"dp_shard": 2, "ep": 2, "ac": "full"},
+        {"tp": 2}, {"tp": 2, "ac": "full"}, {"tp": 2, "ep": 2, "ac": "full"}, {"tp": 2, "case": AUX, "ac": "full"},
+        {"cp": 2, "ac": "full"}, {"cp": 2, "ep": 2}, {"dp_replicate": 2},
+    ])
 
 
 @pytest.mark.distributed
 def test_counted_bytes_equal_the_analytic_count_on_4_ranks():
-    run_distributed_test(check_layouts, 4, [{"dp_shard": 4}, {"dp_shard": 4, "ep": 2, "ac": "full"},
-                                            {"dp_shard": 4, "ep": 4}])
+    run_distributed_test(check_layouts, 4, [
+        {"dp_shard": 4}, {"dp_shard": 4, "ep": 2, "ac": "full"}, {"dp_shard": 4, "ep": 4},
+        {"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_shard": 2, "ep": 2, "ac": "full"}, {"tp": 2, "dp_shard": 2, "ep": 4},
+        {"dp_replicate": 2, "dp_shard": 2}, {"dp_replicate": 2, "tp": 2, "case": AUX},
+        {"cp": 2, "dp_shard": 2, "ac": "full"}, {"dp_replicate": 2, "cp": 2},
+    ])
+
+
+@pytest.mark.parametrize(("case", "sizes", "named"), [
+    ("qwen3_moe_balanced", {"pp": 2, "dp_shard": 2}, "pp=2"),
+    ("qwen3_moe_balanced", {"cp": 2, "tp": 2}, "cp=2 with tp=2"),
+    ("qwen3_moe_balanced", {"dp_replicate": 2, "ep": 2, "dp_shard": 2}, "dp_replicate=2 with ep=2"),
+    ("mla_moe", {"tp": 2}, "tensor parallelism of mla blocks"),
+    ("mla_moe", {"cp": 2}, "context parallelism of mla blocks"),
+    ("hybrid", {"tp": 2}, "tensor parallelism of mamba blocks"),
+    ("deepseek_like", {"dp_shard": 2, "cp": 2}, "MTP with tp=1, cp=2"),
+])
+def test_layouts_not_counted_are_refused_by_name(case, sizes, named):
+    dims = ParallelDims(**sizes, world_size=4)
+    with pytest.raises(NotImplementedError, match=named):
+        model_comm_bytes(tiny_config(case), dims, StepShape(rows=2, seq_len=16))
