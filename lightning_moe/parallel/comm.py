@@ -18,7 +18,7 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
   forward (the reduce-scatters' outputs are kept); the output layer's all-gather of the hidden states (backward: a
   reduce-scatter) and the vocabulary-parallel cross entropy's three fp32 statistics per labelled token; a
   load-balancing loss's mean. Replicated parameters' partial gradients (norms, routers, experts without expert
-  parallelism) are all-reduced once per step without FSDP, every micro-batch with it.
+  parallelism) are all-reduced in the compute dtype, once per step without FSDP, every micro-batch with it.
 - Context parallelism (``cp`` mesh), per micro-batch: the row's positions (int64) all-gathered once per forward;
   per attention block the keys and values all-gathered (again in a recomputed forward), their gradients
   reduce-scattered.
@@ -27,6 +27,9 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
   backward, the copies' exchanges included (the counts are not exchanged again: ``parallel/expert.py``). Each rank
   routes its own tokens (its sequence shard under TP and CP). Token traffic is exact for balanced routing
   (``moe.force_balanced``, the benchmarks' setting): each rank then receives as many copies as it sends.
+
+The training loop's own few-byte reductions (the step's loss and token sums over data x context parallel ranks, the
+finite-gradient flag, the gradient norm) are not the model's and are left out.
 
 Not counted yet (refused by name, :func:`check_counted`): pipeline parallelism, tensor parallelism of MLA, of
 token-for-head trading mixers (Mamba-2, GDN, KDA) and of MTP; context parallelism of those and of MLA, or together
@@ -176,9 +179,9 @@ def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[
     total[("all_reduce", "tp")] += m * (CE_STATISTICS * labels + aux_means) * _element_size(torch.float32)
     replicated = sum(p.numel() for p in model.parameters()
                      if id(p) not in tp_split and not (dims.ep > 1 and id(p) in expert_ids))
+    # in the unsharded gradients' dtype, before FSDP reduces them
     with_fsdp = dims.dp_shard * dims.dp_replicate * dims.cp > 1
-    grad = _element_size(shape.reduce_dtype or shape.dtype) if with_fsdp else _element_size(shape.dtype)
-    total[("all_reduce", "tp")] += (m if with_fsdp else 1) * replicated * grad
+    total[("all_reduce", "tp")] += (m if with_fsdp else 1) * replicated * act
 
 
 def _context(model: Decoder, shape: StepShape, total: dict, checkpointed: set[int]) -> None:
