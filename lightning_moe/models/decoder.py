@@ -2,6 +2,10 @@
 
 Every family (Llama, Qwen, Mixtral, DeepSeek-V3, GPT-OSS, Nemotron-H, ...) is this module with a different
 :class:`ModelConfig`; parallelism, precision converters and LoRA are applied from outside.
+
+A pipeline stage is a pruned decoder (``parallel/pipeline.py``): its ``layers`` hold only its blocks, under their
+numbers in the whole model, and the parts it lacks are None. The forward passes through them: without the
+embedding the input is the hidden states of the stage before, without the final norm it returns its blocks' output.
 """
 
 from __future__ import annotations
@@ -110,8 +114,9 @@ class Decoder(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def hidden_states(self, input_ids: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        """Output of the last block, before the final norm."""
-        h = self.embed(input_ids)
+        """Output of the last block, before the final norm. Floating-point ``input_ids`` are hidden states
+        already (a pipeline stage's input from the stage before)."""
+        h = input_ids if input_ids.is_floating_point() else self.embed(input_ids)
         for block in self.layers.values():
             h = block(h, layout)
         return h
@@ -122,11 +127,19 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         batch_layout: BatchLayout | None = None,
+        *,
+        layout: SequenceLayout | None = None,
+        ahead: list[torch.Tensor] | None = None,
     ) -> torch.Tensor | LossOutput:
         """``batch_layout``: the batch's layout on the host (this rank's share of it), which spares the forward
-        its reads of the device (whether rows are packed, label counts)."""
-        layout = SequenceLayout.from_inputs(input_ids, position_ids, batch_layout)
+        its reads of the device (whether rows are packed, label counts). A pipeline stage passes the ``layout``
+        it made from the token ids, and on the last stage the embeddings of the tokens ``ahead`` that the MTP
+        depths read (received from the first stage, which holds the embedding)."""
+        if layout is None:
+            layout = SequenceLayout.from_inputs(input_ids, position_ids, batch_layout)
         hidden = self.hidden_states(input_ids, layout)
+        if self.norm is None:  # a stage before the last: its MoE layers keep their losses for the stage to take
+            return hidden
         final = self.norm(hidden)
         if labels is None:
             self._collect_aux_loss()  # a logits-only forward has no loss to add them to
@@ -135,7 +148,7 @@ class Decoder(nn.Module):
                                                  label_count=host_label_count(layout))
         out = LossOutput(loss_sum=loss_sum, num_label_tokens=count)
         if self.mtp is not None and self.config.mtp.enabled:
-            out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self)
+            out.mtp_loss_sums, out.mtp_label_tokens = self.mtp(final, input_ids, labels, layout, self, ahead)
         # after the MTP depths: their MoE layers' losses too, or they would linger into the next forward
         out.aux_loss = self._collect_aux_loss()
         return out

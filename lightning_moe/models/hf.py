@@ -275,7 +275,7 @@ def _layer_units(hf_model: nn.Module) -> dict[str, nn.Module]:
         lists = [(n, m) for n, m in hf_model.named_modules() if isinstance(m, nn.ModuleList)]
         if lists:
             name, longest = max(lists, key=lambda item: len(item[1]))
-            units = {f"{name}.{i}": m for i, m in enumerate(longest)}
+            units = {f"{name}.{key}": m for key, m in longest.named_children()}  # a pruned list keeps its numbers
     return units
 
 

@@ -3,7 +3,8 @@
 The ``pp`` ranks of a pipeline hold ``pp * vp`` virtual stages (``vp`` per rank). A stage is a run of consecutive
 blocks; the first also holds the embedding, the last the final norm, the output layer with its loss and the MTP
 depths. The split comes from an explicit ``pp_layout`` (Megatron's ``pipeline_model_parallel_layout`` idea) or is
-balanced by each part's training FLOPs and parameter count (:func:`balanced_split`). Each stage is then
+balanced by each part's training FLOPs and parameter count (:func:`balanced_split`). A stage is the decoder
+pruned to its parts and runs the decoder's own forward, which passes through the parts it lacks; it is then
 parallelized like a whole model (tensor, expert, context parallel, activation checkpointing, compile, FSDP2), as
 torchtitan does.
 
@@ -30,11 +31,10 @@ from torch import nn
 
 from lightning_moe.models.block_flops import Sequences
 from lightning_moe.models.blocks import pattern_kinds
-from lightning_moe.models.decoder import Decoder, collect_aux_loss
+from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.models.flops import mtp_depths, pattern_flops
-from lightning_moe.models.layers.moe import MoE
 from lightning_moe.models.layers.mtp import ids_ahead
-from lightning_moe.models.layers.sequence import SequenceLayout, host_label_count
+from lightning_moe.models.layers.sequence import SequenceLayout
 from lightning_moe.parallel.context import ContextParallelRow
 
 # name -> torch.distributed.pipelining schedule class name
@@ -250,42 +250,35 @@ class AttachLoss(torch.autograd.Function):
         return grad, torch.ones(ctx.loss_shape, dtype=grad.dtype, device=grad.device)
 
 
-class _AheadEmbeddings:
-    """What the MTP depths read from the decoder on the last stage: the embeddings of the tokens ahead come from
-    the first stage (in depth order), the output layer is the stage's own."""
+def hold_parts(part: Decoder, decoder: Decoder, blocks: list[str], embedding: bool, output: bool) -> None:
+    """Give ``part`` (a new, empty module) the modules of ``decoder`` that a stage or a pipeline rank holds, by the
+    decoder's names and in its module order: ``blocks``, the embedding, and with ``output`` the final norm, output
+    layer and MTP depths; None for the rest, which the decoder's forward passes through. With tied embeddings the
+    output holds the embedding too, for its weight (kept equal to the first stage's, see ``tied_embedding_group``)."""
+    nn.Module.__init__(part)  # nothing of its own to build
+    part.config = decoder.config
+    part.embed = decoder.embed if embedding or (output and decoder.config.tie_embeddings) else None
+    part.layers = nn.ModuleDict({name: decoder.layers[name] for name in blocks})
+    part.norm = decoder.norm if output else None
+    part.lm_head = decoder.lm_head if output else None
+    part.output_layer = decoder.output_layer if output else None
+    part.mtp = decoder.mtp if output else None
 
-    def __init__(self, stage: StageModule, ahead: list[torch.Tensor]) -> None:
-        self.output_layer, self.output_weight = stage.output_layer, stage.output_weight
-        self._ahead = iter(ahead)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return next(self._ahead)
+class StageModule(Decoder):
+    """One virtual stage: the decoder pruned to the parts it holds (:func:`hold_parts`), so that it parallelizes
+    like a decoder and runs the decoder's forward, which passes through the parts it lacks.
 
-
-class StageModule(nn.Module):
-    """One virtual stage: the decoder's parts it holds, under the decoder's own names (``embed``,
-    ``layers.<i>``, ``norm``, ``lm_head``, ``mtp``), so that it parallelizes like a decoder.
-
-    ``forward(*inputs, token_ids, labels, position_ids=None)``: ``inputs`` are the token ids on the first stage,
-    else what the previous stage sent. Returns ``(hidden, *ahead_embeddings)``, or on the last stage the
-    micro-batch's objective (loss sum + weighted MTP sums + aux losses, to be divided by the global label count).
-    Each forward appends its loss sums to :attr:`sums` (detached).
+    ``forward(*inputs, token_ids, labels, position_ids=None)``, what torch's pipeline stage calls: ``inputs`` are
+    the token ids on the first stage, else what the previous stage sent. Returns ``(hidden, *ahead_embeddings)``,
+    or on the last stage the micro-batch's objective (loss sum + weighted MTP sums + aux losses, to be divided by
+    the global label count). Each forward appends its loss sums to :attr:`sums` (detached).
     """
 
-    def __init__(self, decoder: nn.Module, spec: StageSpec, mtp_scale: float) -> None:
-        super().__init__()
-        self.config = decoder.config
+    def __init__(self, decoder: Decoder, spec: StageSpec, mtp_scale: float) -> None:
+        hold_parts(self, decoder, spec.blocks, spec.embedding, spec.output)
         self.spec = spec
         self.mtp_scale = mtp_scale
-        # tied embeddings: the last stage reads the embedding weight as its output weight (a copy kept equal to the
-        # first stage's, see ``tied_embedding_group``)
-        tied = decoder.config.tie_embeddings and spec.output
-        self.embed = decoder.embed if spec.embedding or tied else None
-        self.layers = nn.ModuleDict({name: decoder.layers[name] for name in spec.blocks})
-        self.norm = decoder.norm if spec.output else None
-        self.lm_head = decoder.lm_head if spec.output else None
-        self.output_layer = decoder.output_layer if spec.output else None
-        self.mtp = decoder.mtp if spec.output else None
         self.sums: list[dict[str, torch.Tensor]] = []
         # under context parallelism: the group the row's chunks are spread over (the tokens ahead that MTP reads
         # come from the whole row)
@@ -295,13 +288,6 @@ class StageModule(nn.Module):
         self.metadata_pass_pending = False
         # host layouts of the step's micro-batches, in the order the schedule runs their forwards on this stage
         self.layouts: deque = deque()
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
-
-    def moe_layers(self) -> list[nn.Module]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def _mtp_depths(self) -> int:
         mtp = self.config.mtp
@@ -330,44 +316,35 @@ class StageModule(nn.Module):
             # what the first attention block would attach; the MTP ids and depths need it on every stage
             layout.context_parallel = ContextParallelRow(layout.position_ids, self.context_parallel_group,
                                                          layout.host)
-        if self.spec.embedding:
-            (ids,) = inputs
-            hidden = self.embed(ids)
-            ahead = [self.embed(a) for a in ids_ahead(ids, layout, self._mtp_depths())]
-        else:
-            hidden, *ahead = inputs
-        for block in self.layers.values():
-            hidden = block(hidden, layout)
-        label_tokens = (labels != -100).sum()
+        first, *ahead = inputs
+        out = super().forward(first, labels=labels, layout=layout, ahead=ahead)
+        if self.norm is not None:
+            return self._objective(out)
+        if self.spec.embedding:  # the embeddings of the tokens ahead that the MTP depths read
+            ahead = [self.embed(ids) for ids in ids_ahead(token_ids, layout, self._mtp_depths())]
         sums: dict[str, torch.Tensor] = {}
-        if self.output_layer is None:
-            aux = self._collect_aux_loss()
-            if aux is not None:
-                weighted = aux * label_tokens
-                sums["aux_loss"] = weighted.detach()
-                hidden = AttachLoss.apply(hidden, weighted)
-            self.sums.append(sums)
-            return (hidden, *ahead)
-        final = self.norm(hidden)
-        loss_sum, count = self.output_layer.loss(final, self.output_weight, labels, self.config.loss_chunk_size,
-                                                 label_count=host_label_count(layout))
-        objective = loss_sum
-        sums["loss_sum"], sums["label_tokens"] = loss_sum.detach(), count.detach()
-        if ahead:
-            mtp_sums, mtp_counts = self.mtp(final, token_ids, labels, layout, _AheadEmbeddings(self, ahead))
-            weight = self.mtp_scale / len(mtp_sums)
-            for depth, (mtp_sum, mtp_count) in enumerate(zip(mtp_sums, mtp_counts), start=1):
+        aux = self._collect_aux_loss()
+        if aux is not None:  # into backward with the hidden states sent
+            weighted = aux * (labels != -100).sum()
+            sums["aux_loss"] = weighted.detach()
+            out = AttachLoss.apply(out, weighted)
+        self.sums.append(sums)
+        return (out, *ahead)
+
+    def _objective(self, out: LossOutput) -> torch.Tensor:
+        """The last stage's output: what the schedule differentiates; its parts go to :attr:`sums`."""
+        sums = {"loss_sum": out.loss_sum.detach(), "label_tokens": out.num_label_tokens.detach()}
+        objective = out.loss_sum
+        if out.mtp_loss_sums:
+            weight = self.mtp_scale / len(out.mtp_loss_sums)
+            for depth, (mtp_sum, mtp_count) in enumerate(zip(out.mtp_loss_sums, out.mtp_label_tokens), start=1):
                 objective = objective + weight * mtp_sum
                 sums[f"mtp_{depth}_loss_sum"], sums[f"mtp_{depth}_tokens"] = mtp_sum.detach(), mtp_count.detach()
-        aux = self._collect_aux_loss()
-        if aux is not None:
-            objective = objective + aux * count
-            sums["aux_loss"] = (aux * count).detach()
+        if out.aux_loss is not None:
+            objective = objective + out.aux_loss * out.num_label_tokens
+            sums["aux_loss"] = (out.aux_loss * out.num_label_tokens).detach()
         self.sums.append(sums)
         return objective
-
-    def _collect_aux_loss(self) -> torch.Tensor | None:
-        return collect_aux_loss(self.moe_layers())  # this stage's MoE layers, as the whole decoder's
 
 
 def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple[torch.Tensor, ...]:
@@ -387,31 +364,18 @@ def metadata_pass_inputs(inputs: tuple[torch.Tensor, ...], first: bool) -> tuple
     return tuple(replaced)
 
 
-class PipelinedDecoder(nn.Module):
-    """The parts of the decoder this rank's stages hold, under the whole model's names: what the optimizer,
-    checkpoints and export see. Training and evaluation run through :attr:`stages`, not ``forward``."""
+class PipelinedDecoder(Decoder):
+    """The parts of the decoder this rank's stages hold (:func:`hold_parts`), under the whole model's names: what
+    the optimizer, checkpoints, export and the layout-invariant initialization see. Training and evaluation run
+    through :attr:`stages`, not ``forward``."""
 
-    def __init__(self, decoder: nn.Module, specs: list[StageSpec], local: list[int], mtp_scale: float) -> None:
-        super().__init__()
-        self.config = decoder.config
+    def __init__(self, decoder: Decoder, specs: list[StageSpec], local: list[int], mtp_scale: float) -> None:
         mine = [specs[i] for i in local]
-        tied = decoder.config.tie_embeddings and any(s.output for s in mine)
-        self.embed = decoder.embed if any(s.embedding for s in mine) or tied else None
-        self.layers = nn.ModuleDict({name: decoder.layers[name] for s in mine for name in s.blocks})
-        last = any(s.output for s in mine)
-        self.norm = decoder.norm if last else None
-        self.lm_head = decoder.lm_head if last else None
-        self.output_layer = decoder.output_layer if last else None
-        self.mtp = decoder.mtp if last else None
+        hold_parts(self, decoder, [name for s in mine for name in s.blocks], any(s.embedding for s in mine),
+                   any(s.output for s in mine))
         # a plain list: the stages share these modules, registering them twice would repeat every name
         self.stages = [StageModule(decoder, specs[i], mtp_scale) for i in local]
         self.held_elsewhere: frozenset[str] = frozenset()  # set by the split (parallel/pipeline_stages.py)
-
-    # the decoder's layout-invariant initialization, over the parts this rank holds
-    init_weights = Decoder.init_weights
-
-    def moe_layers(self) -> list[nn.Module]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def sum_names(self, training: bool = True) -> list[str]:
         """The keys of the sums every pipeline rank reduces (the same list on every rank)."""

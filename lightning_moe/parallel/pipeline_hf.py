@@ -4,13 +4,14 @@ The model's repeated decoder layers (``model.model.layers``) are split into stag
 blocks (``parallel/pipeline.py``: an explicit ``pp_layout`` or a split balanced by parameters); the input
 embedding sits on the first stage, the final norm and the output layer with the fused loss on the last.
 
-Each stage runs the transformers model's own forward over a view of the model that holds only the stage's
-layers (under their own numbers, so every name is the whole model's). Positions, the rotary embedding and the
-attention masks (causal, sliding, packed rows) are computed by that forward on every stage from the token ids
-and positions each stage reads from the batch; past the first stage the view's embedding returns zeros and the
-hidden states received from the previous stage replace the first layer's input, so whatever the forward does
-between the embedding and the layers (scaling, rotary, masks) is computed on every stage and only the
-activations travel. Stages that are not the last end at their last layer (no norm).
+Each stage runs the transformers model's own forward over the model pruned to the stage's layers (a copy of
+the model and its base model holding the model's own modules; the layers under their own numbers, so every name
+is the whole model's). Positions, the rotary embedding and the attention masks (causal, sliding, packed rows)
+are computed by that forward on every stage from the token ids and positions each stage reads from the batch;
+past the first stage the pruned model's embedding returns zeros and the hidden states received from the previous
+stage replace the first layer's input, so whatever the forward does between the embedding and the layers
+(scaling, rotary, masks) is computed on every stage and only the activations travel. Stages that are not the
+last end at their last layer (no norm).
 
 Refused before anything is built: tied input and output embeddings, a router load-balancing loss computed by
 the model's head over all layers at once (``output_router_logits``; it does not split into per-stage sums),
@@ -97,21 +98,6 @@ class _ReceivedHidden(nn.Module):
         return torch.zeros_like(self.hidden)
 
 
-def _view(module: nn.Module, **children: nn.Module | None) -> nn.Module:
-    """A shallow copy of ``module`` with its own child table (``children`` replaced), sharing every child,
-    parameter and buffer otherwise: the same names, other parts."""
-    view = copy.copy(module)
-    view._modules = dict(module._modules)
-    view._parameters = dict(module._parameters)
-    view._buffers = dict(module._buffers)
-    for name, child in children.items():
-        if child is None:
-            view._modules.pop(name, None)
-        else:
-            view._modules[name] = child
-    return view
-
-
 def _layers(base: nn.Module, names: list[str]) -> nn.ModuleList:
     """The layers named ``names`` under their own numbers (``layers.5`` stays ``layers.5``)."""
     layers = nn.ModuleList()
@@ -121,7 +107,7 @@ def _layers(base: nn.Module, names: list[str]) -> nn.ModuleList:
 
 
 def _text_config_for(config, names: list[str]):
-    """The config the view's forward reads: per-layer lists (``layer_types``, which some models index by the
+    """The config the base model's forward reads: per-layer lists (``layer_types``, which some models index by the
     position in ``layers``) and the layer count restricted to the stage's layers."""
     stage = copy.copy(config)
     if getattr(config, "layer_types", None) is not None:
@@ -131,29 +117,43 @@ def _text_config_for(config, names: list[str]):
 
 
 def hf_view(hf_model: nn.Module, layers: list[str], embedding: bool, output: bool) -> nn.Module:
-    """The transformers model with only ``layers`` (and the embedding / final norm + output layer when asked)."""
+    """The transformers model pruned to ``layers`` (and the embedding / final norm + output layer when asked):
+    a copy of the model and its base model, the two modules whose children differ, holding the model's own
+    modules, parameters, buffers and configs. What it lacks passes through its forward: the embedding becomes
+    the received hidden states' placeholder, the final norm an identity, the output layer None."""
     base = decoder_parts(hf_model)
-    view_base = _view(base, layers=_layers(base, layers),
-                      embed_tokens=base.embed_tokens if embedding else _ReceivedHidden(),
-                      norm=base.norm if output else nn.Identity())
-    view_base.config = _text_config_for(base.config, layers)
-    return _view(hf_model, model=view_base, lm_head=hf_model.lm_head if output else None)
+    own = [*hf_model.modules(), *hf_model.parameters(), *hf_model.buffers(), hf_model.config, base.config]
+    memo = {id(x): x for x in own if x is not hf_model and x is not base}
+    view = copy.deepcopy(hf_model, memo)
+    view.model.layers = _layers(base, layers)
+    if not embedding:
+        view.model.embed_tokens = _ReceivedHidden()
+    if not output:
+        view.model.norm, view.lm_head = nn.Identity(), None
+    view.model.config = _text_config_for(base.config, layers)
+    return view
 
 
-class HFStage(HFModel):
-    """One virtual stage of a transformers model, an ``HFModel`` over the stage's view (so that
-    ``parallelize`` parallelizes it like a model: EP, AC, compile, FSDP with the stage as root).
+class _HFPart(HFModel):
+    """An ``HFModel`` over :func:`hf_view`. Whether packed rows can be trained on is the whole model's verdict,
+    over all its layers."""
+
+    def __init__(self, whole: HFModel, layers: list[str], embedding: bool, output: bool) -> None:
+        super().__init__(hf_view(whole.hf, layers, embedding, output), whole.loss_chunk_size)
+        self.packing_limitation, self.packed_masks = whole.packing_limitation, whole.packed_masks
+
+
+class HFStage(_HFPart):
+    """One virtual stage of a transformers model, an ``HFModel`` over the stage's part (so that ``parallelize``
+    parallelizes it like a model: EP, AC, compile, FSDP with the stage as root).
 
     ``forward(*inputs, token_ids, labels, position_ids=None)``, as the native ``StageModule``: the token ids
     on the first stage, else the previous stage's hidden states; returns ``(hidden,)``, or on the last stage
     the micro-batch's loss sum. Each forward appends its loss sums to :attr:`sums` (detached)."""
 
     def __init__(self, whole: HFModel, spec: StageSpec) -> None:
-        nn.Module.__init__(self)
-        self.__dict__.update({k: v for k, v in whole.__dict__.items() if not k.startswith("_")})
-        self.hf = hf_view(whole.hf, spec.blocks, spec.embedding, spec.output)
+        super().__init__(whole, spec.blocks, spec.embedding, spec.output)
         self.hf.is_pipeline_stage = True  # the generic path's checks read it (e.g. a stage without experts)
-        self._unit_names = [f"model.layers.{name}" for name in spec.blocks]
         self.spec = spec
         self.sums: list[dict[str, torch.Tensor]] = []
         self.metadata_pass_pending = False  # torch's shape-inference forward leaves no loss sums
@@ -186,7 +186,7 @@ class HFStage(HFModel):
                 out = base(input_ids=token_ids, position_ids=position_ids, use_cache=False)
                 self.sums.append({})
                 return (out.last_hidden_state,)
-            out = HFModel.forward(self, token_ids, position_ids, labels=labels)
+            out = super().forward(token_ids, position_ids, labels=labels)
         finally:
             if handle is not None:
                 handle.remove()
@@ -204,21 +204,18 @@ def _replace_input(hidden: torch.Tensor):
     return replace
 
 
-class PipelinedHFModel(HFModel):
+class PipelinedHFModel(_HFPart):
     """The parts of a transformers model this rank's stages hold, under the whole model's names: what the
     optimizer, checkpoints and export see. Training and evaluation run through :attr:`stages`."""
 
     def __init__(self, whole: HFModel, specs: list[StageSpec], local: list[int]) -> None:
-        nn.Module.__init__(self)
-        self.__dict__.update({k: v for k, v in whole.__dict__.items() if not k.startswith("_")})
         mine = [specs[i] for i in local]
-        layers = [name for spec in mine for name in spec.blocks]
-        self.hf = hf_view(whole.hf, layers, any(s.embedding for s in mine), any(s.output for s in mine))
-        if not any(s.embedding for s in mine):  # no placeholder among this rank's parameters' owners
-            self.hf.model._modules.pop("embed_tokens")
-        if not any(s.output for s in mine):
-            self.hf.model._modules.pop("norm")
-        self._unit_names = [f"model.layers.{name}" for name in layers]
+        first, last = any(s.embedding for s in mine), any(s.output for s in mine)
+        super().__init__(whole, [name for spec in mine for name in spec.blocks], first, last)
+        if not first:  # no placeholder among this rank's parameters' owners
+            self.hf.model.embed_tokens = None
+        if not last:
+            self.hf.model.norm = None
         # a plain list: the stages share these modules, registering them twice would repeat every name
         self.stages = [HFStage(whole, specs[i]) for i in local]
 

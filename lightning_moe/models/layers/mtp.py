@@ -91,28 +91,31 @@ class MultiTokenPrediction(nn.Module):
             return [self.depths[0]] * self.config.mtp.num_layers
         return list(self.depths)
 
-    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
-                layout: SequenceLayout, decoder: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, layout: SequenceLayout,
+                decoder: nn.Module, ahead: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``hidden``: the main model's final normalized hidden states. Returns per-depth loss sums and counts.
+        ``ahead``: the embeddings of the tokens ahead, one per depth, where they come embedded (a pipeline's last
+        stage); else the decoder embeds them from ``input_ids``, each as its depth runs.
 
         Under context parallelism (``layout.context_parallel``) this rank holds some chunks of each row: the
         tokens and targets ahead are taken from the whole row, then this rank's positions kept."""
         row = layout.context_parallel
         local = None
         depths = self.depth_modules()
-        ahead = ids_ahead(input_ids, layout, len(depths))
+        if ahead is None:
+            ahead = (decoder.embed(ids) for ids in ids_ahead(input_ids, layout, len(depths)))
         if row is not None:
             labels, local = row.full_row(labels), row.query_index
         docs = (row.full_layout if row is not None else layout).document_ids
         loss_sums, counts, aux_losses = [], [], []
         previous = hidden
-        for d, (depth, ahead_ids) in enumerate(zip(depths, ahead), start=1):
+        for d, (depth, embedded) in enumerate(zip(depths, ahead), start=1):
             target = shift_left(labels, d, IGNORE_INDEX)
             same_sequence = shift_left(docs, d, -1) == docs
             target = target.masked_fill(~same_sequence, IGNORE_INDEX)
             if local is not None:
                 target = target[:, local]
-            previous = depth(decoder.embed(ahead_ids), previous, layout)
+            previous = depth(embedded, previous, layout)
             if self.config.mtp.shared:  # the next depth's call replaces them: keep each depth's
                 aux_losses += take_aux_losses(depth)
             loss_sum, count = decoder.output_layer.loss(
