@@ -12,7 +12,7 @@ from lightning_moe.row_length import row_length
 
 
 def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any] | None:
-    """``{"<kind> over <mesh dimension>": bytes}`` of one rank's step, or ``{"not counted": why}``; None outside a
+    """``{"<kind> over <mesh dimension>": bytes}`` of this rank's step, or ``{"not counted": why}``; None outside a
     ``ParallelStrategy`` run of a native decoder."""
     try:
         dims = trainer.strategy.parallel_dims
@@ -24,14 +24,16 @@ def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> d
     rows = getattr(data, "micro_batch_size", None)
     if dims is None or not isinstance(config, ModelConfig) or length is None or not rows:
         return None
-    options = trainer.strategy.parallel_options
+    options, pipeline = trainer.strategy.parallel_options, trainer.strategy.pipeline_options
+    # under a pipeline the accumulated micro-batches are the schedule's (``modules/pipeline_step.py``)
     shape = StepShape(rows=rows, seq_len=length.tokens, micro_batches=trainer.accumulate_grad_batches,
                       dtype=next(pl_module.model.parameters()).dtype, param_dtype=options.param_dtype,
                       reduce_dtype=options.reduce_dtype,
                       activation_checkpointing=options.activation_checkpointing,
-                      activation_checkpointing_every=options.activation_checkpointing_every)
+                      activation_checkpointing_every=options.activation_checkpointing_every,
+                      pipeline_schedule=pipeline["pp_schedule"], pipeline_layout=pipeline["pp_layout"])
     try:
-        counts = model_comm_bytes(config, dims, shape)
+        counts = model_comm_bytes(config, dims, shape, pp_rank=dims.pp_rank)
     except NotImplementedError as error:
         return {"not counted": str(error)}
     return {f"{kind} over {mesh}": size for (kind, mesh), size in sorted(counts.items())}

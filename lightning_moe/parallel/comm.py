@@ -22,6 +22,11 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
 - Context parallelism (``cp`` mesh), per micro-batch: the row's positions (int64) all-gathered once per forward;
   per attention block the keys and values all-gathered (again in a recomputed forward), their gradients
   reduce-scattered.
+- Pipeline parallelism (``pp`` mesh; one stage per rank: the ``gpipe`` and ``1f1b`` schedules), per micro-batch
+  of the schedule: the hidden states (and the embeddings of the tokens ahead, one per MTP depth) sent to the next
+  stage and their gradients back. A stage is FSDP-sharded like a model of its own parts, but the schedule keeps a
+  stage's parameters unsharded from a backward until the next forward resharded them and reduces its gradients once
+  per step (:func:`_stage_block_gathers`).
 - Expert parallelism (``ep`` mesh), per MoE layer and micro-batch: the per-expert counts (int64), the token copies
   out and the expert outputs back, and both again in backward; a checkpointed block runs its forward again in
   backward, the copies' exchanges included (the counts are not exchanged again: ``parallel/expert.py``). Each rank
@@ -31,9 +36,10 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
 The training loop's own few-byte reductions (the step's loss and token sums over data x context parallel ranks, the
 finite-gradient flag, the gradient norm) are not the model's and are left out.
 
-Not counted yet (refused by name, :func:`check_counted`): pipeline parallelism, tensor parallelism of MLA, of
-token-for-head trading mixers (Mamba-2, GDN, KDA) and of MTP; context parallelism of those and of MLA, or together
-with tensor parallelism; HSDP together with expert parallelism.
+Not counted yet (refused by name, :func:`check_counted`): pipeline schedules with several stages per rank, and
+pipelines together with tensor or context parallelism or HSDP; tensor parallelism of MLA, of token-for-head trading
+mixers (Mamba-2, GDN, KDA) and of MTP; context parallelism of those and of MLA, or together with tensor parallelism;
+HSDP together with expert parallelism.
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import Decoder
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
+from lightning_moe.parallel.pipeline import hold_parts, split_model
 from lightning_moe.parallel.tensor import split_dimensions
 
+COUNTED_SCHEDULES = ("gpipe", "1f1b")
 CE_STATISTICS = 3  # fp32 values per labelled token all-reduced by the vocabulary-parallel cross entropy
 INT64 = 8
 
@@ -69,19 +77,23 @@ class StepShape:
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 1
     label_tokens: int | None = None  # labelled tokens of a micro-batch on this rank (None: every token)
+    pipeline_schedule: str = "1f1b"  # under pipeline parallelism (``micro_batches``: the schedule's)
+    pipeline_layout: str | list[str] | None = None
 
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def check_counted(config: ModelConfig, dims) -> None:
+def check_counted(config: ModelConfig, dims, shape: StepShape) -> None:
     """Raise ``NotImplementedError`` naming the layout or block kind :func:`model_comm_bytes` does not count."""
     def refuse(what: str) -> None:
         raise NotImplementedError(f"model_comm_bytes: {what} is not counted yet")
 
-    if dims.pp > 1:
-        refuse(f"pp={dims.pp}")
+    if dims.pp > 1 and shape.pipeline_schedule not in COUNTED_SCHEDULES:
+        refuse(f"the {shape.pipeline_schedule} schedule (pp={dims.pp})")
+    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or dims.dp_replicate > 1):
+        refuse(f"pp={dims.pp} with tp={dims.tp}, cp={dims.cp}, dp_replicate={dims.dp_replicate}")
     if dims.dp_replicate > 1 and dims.ep > 1:
         refuse(f"dp_replicate={dims.dp_replicate} with ep={dims.ep}")
     if dims.cp > 1 and dims.tp > 1:
@@ -90,7 +102,7 @@ def check_counted(config: ModelConfig, dims) -> None:
         model = Decoder(config)
     if config.mtp is not None and (dims.tp > 1 or dims.cp > 1):
         refuse(f"MTP with tp={dims.tp}, cp={dims.cp}")
-    for _, block in repeated_blocks(model):
+    for block in model.layers.values():  # the MTP depths' blocks are refused above where it matters
         kind = block.kind
         if dims.tp > 1 and (kind.tensor.local is not None or kind.tensor.trades_heads):
             refuse(f"tensor parallelism of {kind.name} blocks")
@@ -98,11 +110,13 @@ def check_counted(config: ModelConfig, dims) -> None:
             refuse(f"context parallelism of {kind.name} blocks")
 
 
-def model_comm_bytes(config: ModelConfig, dims, shape: StepShape) -> dict[tuple[str, str], int]:
-    """``{(kind, mesh dimension): bytes}`` this rank's collectives handle per optimizer step (module docstring)."""
-    check_counted(config, dims)
+def model_comm_bytes(config: ModelConfig, dims, shape: StepShape, pp_rank: int = 0) -> dict[tuple[str, str], int]:
+    """``{(kind, mesh dimension): bytes}`` this rank's collectives handle per optimizer step (module docstring);
+    under pipeline parallelism those of the stage of pipeline rank ``pp_rank``."""
+    check_counted(config, dims, shape)
     with torch.device("meta"):
-        model = Decoder(config)
+        whole = Decoder(config)
+    model = whole if dims.pp == 1 else _stage(whole, dims, shape, pp_rank)
     total: dict[tuple[str, str], int] = defaultdict(int)
     tp_split = split_dimensions(model) if dims.tp > 1 else {}
     expert_ids = {id(p) for moe in model.modules() if isinstance(moe, MoE) for p in moe.experts.parameters()}
@@ -118,7 +132,9 @@ def model_comm_bytes(config: ModelConfig, dims, shape: StepShape) -> dict[tuple[
             size[0] //= dims.ep
         return size
 
-    _fsdp(model, dims, shape, total, local_shape, expert_ids if dims.ep > 1 else set())
+    _fsdp(model, dims, shape, total, local_shape, expert_ids if dims.ep > 1 else set(), pp_rank)
+    if dims.pp > 1:
+        _pipeline(model, dims, shape, total, pp_rank)
     if dims.tp > 1:
         _tensor(model, dims, shape, total, tp_split, expert_ids, checkpointed)
     if dims.cp > 1:
@@ -128,11 +144,15 @@ def model_comm_bytes(config: ModelConfig, dims, shape: StepShape) -> dict[tuple[
     return dict(total)
 
 
-def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expert_ids: set[int]) -> None:
+def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expert_ids: set[int],
+          pp_rank: int) -> None:
     fsdp_ranks = dims.dp_shard * dims.cp
     if fsdp_ranks * dims.dp_replicate == 1:
         return
     m = shape.micro_batches
+    # (block gathers, root gathers, reduce-scatters) per step: per micro-batch, or as a pipeline schedule runs them
+    block_gathers, root_gathers, reduces = (2 * m, m, m) if dims.pp == 1 else (
+        _stage_block_gathers(shape, dims.pp, pp_rank), 1, 1)
     gather = _element_size(shape.param_dtype or shape.dtype)
     reduce = _element_size(shape.reduce_dtype or shape.param_dtype or shape.dtype)
 
@@ -142,8 +162,8 @@ def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expe
 
     def unit(mesh: str, params: list[nn.Parameter], ranks: int, gathers: int) -> None:
         if ranks > 1:  # FSDP gathers and reduces nothing over one rank
-            total[("all_gather", mesh)] += gathers * m * padded(params, ranks) * gather
-            total[("reduce_scatter", mesh)] += m * padded(params, ranks) * reduce
+            total[("all_gather", mesh)] += gathers * padded(params, ranks) * gather
+            total[("reduce_scatter", mesh)] += reduces * padded(params, ranks) * reduce
         if dims.dp_replicate > 1:  # this rank's shard, once per step
             total[("all_reduce", "dp_replicate")] += padded(params, ranks) // ranks * reduce
 
@@ -151,11 +171,11 @@ def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expe
     for _, block in repeated_blocks(model):
         params = list(block.parameters())
         in_blocks.update(id(p) for p in params)
-        unit("fsdp", [p for p in params if id(p) not in expert_ids], fsdp_ranks, 2)
+        unit("fsdp", [p for p in params if id(p) not in expert_ids], fsdp_ranks, block_gathers)
         experts = [p for p in params if id(p) in expert_ids]
         if experts:
-            unit("expert_fsdp", experts, dims.ep_shard, 2)
-    unit("fsdp", [p for p in model.parameters() if id(p) not in in_blocks], fsdp_ranks, 1)
+            unit("expert_fsdp", experts, dims.ep_shard, block_gathers)
+    unit("fsdp", [p for p in model.parameters() if id(p) not in in_blocks], fsdp_ranks, root_gathers)
 
 
 def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[int, int], expert_ids: set[int],
@@ -206,3 +226,43 @@ def _experts(model: Decoder, config: ModelConfig, dims, shape: StepShape, total:
             passes = 3 if id(block) in checkpointed else 2  # forward, (recomputed forward,) backward
             total[("all_to_all", "ep")] += shape.micro_batches * (INT64 * moe.cfg.num_experts + passes * 2 * copies)
 
+
+
+def _stage(whole: Decoder, dims, shape: StepShape, pp_rank: int) -> Decoder:
+    """The decoder pruned to what pipeline rank ``pp_rank`` holds (one stage per rank: the counted schedules)."""
+    spec = split_model(whole, dims.pp, shape.pipeline_layout)[pp_rank]
+    part = Decoder.__new__(Decoder)
+    hold_parts(part, whole, spec.blocks, spec.embedding, spec.output)
+    return part
+
+
+def _stage_block_gathers(shape: StepShape, pp: int, pp_rank: int) -> int:
+    """All-gathers of each block of a stage in one step. torch's schedules keep a stage's parameters unsharded
+    from a backward until the next forward has run (which reshards them after) and reduce its gradients once, after
+    the last backward: walk the stage's forwards and backwards in the schedule's order."""
+    m = shape.micro_batches
+    if shape.pipeline_schedule == "gpipe":
+        order = "F" * m + "B" * m
+    else:  # 1F1B: pp - rank forwards first (at most m), then one backward and one forward in turn
+        warmup = min(m, pp - pp_rank)
+        order = "F" * warmup + "BF" * (m - warmup) + "B" * warmup
+    gathers, sharded = 0, True
+    for action in order:
+        gathers += sharded
+        sharded = action == "F"
+    return gathers
+
+
+def _pipeline(model: Decoder, dims, shape: StepShape, total: dict, pp_rank: int) -> None:
+    """Each micro-batch's hidden states (and the embeddings of the tokens ahead that MTP depths read) sent to the
+    next stage, their gradients sent back to the previous one."""
+    act = _element_size(shape.param_dtype or shape.dtype)
+    mtp = model.config.mtp
+    depths = mtp.num_layers if mtp is not None and mtp.enabled and mtp.num_layers else 0
+    sent = shape.micro_batches * (1 + depths) * shape.rows * shape.seq_len * model.config.hidden_size * act
+    if pp_rank < dims.pp - 1:  # the stage's output forward, its gradient back
+        total[("send", "pp")] += sent
+        total[("recv", "pp")] += sent
+    if pp_rank > 0:  # the stage's input, and its gradient sent back
+        total[("recv", "pp")] += sent
+        total[("send", "pp")] += sent

@@ -1,6 +1,7 @@
 """Worker side of the communication-accounting test: each rank builds the tiny MoE model under a layout, runs the
-micro-batches of one optimizer step (forward + backward), counts the bytes its collectives handle
-(``debug/comm_bytes.py``) and compares them, by kind and mesh dimension, with ``parallel.comm.model_comm_bytes``."""
+micro-batches of one optimizer step (forward + backward; a pipeline: three steps of ``Trainer.fit``), counts the
+bytes its collectives handle (``debug/comm_bytes.py``) and compares them, by kind and the ranks of each process
+group, with ``parallel.comm.model_comm_bytes``."""
 
 from __future__ import annotations
 
@@ -65,7 +66,13 @@ def in_groups(by_dim: dict[tuple[str, str], int], dims: ParallelDims) -> dict[tu
     return out
 
 
-def check_layouts(layouts: list[dict]) -> None:
+def check_counts(root: str, layouts: list[dict], pipelines: list[dict]) -> None:
+    """Counted = analytic for every layout (a model's forward and backward passes) and every pipeline (a fit)."""
+    problems = layout_problems(layouts) + pipeline_problems(root, pipelines)
+    assert not problems, "\n".join(problems)
+
+
+def layout_problems(layouts: list[dict]) -> list[str]:
     problems = []
     for layout in layouts:
         sizes = {k: v for k, v in layout.items() if k not in ("ac", "case")}
@@ -78,4 +85,57 @@ def check_layouts(layouts: list[dict]) -> None:
         if counted != expected or not analytic:
             problems.append(f"rank {dist.get_rank()} {layout}: counted {sorted(counted.items())} != analytic "
                             f"{sorted(analytic.items())}")
-    assert not problems, "\n".join(problems)
+    return problems
+
+
+# the training loop's own reductions (loss and token sums, finite flags, the gradient norm), which the analytic
+# count leaves out: a few scalars per step
+BOOKKEEPING = ("all_reduce", "broadcast")
+BOOKKEEPING_BYTES = 128
+
+
+def fitted_step(case: str, sizes: dict, shape: StepShape, root: str) -> tuple[dict, ParallelDims]:
+    """``({(kind, ranks): bytes}, dims)`` of optimizer step 3 of a ``Trainer.fit`` of ``case`` under
+    ``ParallelStrategy(**sizes)`` (pipelines run only there), counted by ``debug.comm_bytes.CommBytesCounter``."""
+    import lightning as L
+
+    from lightning_moe import ParallelStrategy
+    from lightning_moe.data import MockDataModule
+    from lightning_moe.debug.comm_bytes import CommBytesCounter
+    from lightning_moe.modules.causal_lm import CausalLM
+    from lightning_moe.modules.optim import OptimizerConfig
+
+    counter = CommBytesCounter(report=f"{root}/comm_{{rank}}.json", step=3)
+    strategy = ParallelStrategy(**sizes, pp_schedule=shape.pipeline_schedule,
+                                activation_checkpointing=shape.activation_checkpointing)
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root, callbacks=[counter])
+    dims = ParallelDims(**sizes, world_size=dist.get_world_size())
+    rows = shape.rows * shape.micro_batches * dims.dp_size
+    data = MockDataModule(seq_length=shape.seq_len, micro_batch_size=shape.rows, global_batch_size=rows,
+                          vocab_size=tiny_config(case).vocab_size, num_val_samples=0)
+    trainer.fit(CausalLM(model=tiny_config(case), optimizer=OptimizerConfig(lr=1e-3)), datamodule=data)
+    counted = by_ranks({key: value[1] for key, value in counter.counts.items()})
+    return counted, trainer.strategy.parallel_dims
+
+
+def pipeline_problems(root: str, layouts: list[dict]) -> list[str]:
+    """Per layout (``case``, ``schedule``, ``micro_batches``, ``ac`` and the strategy's sizes): the bytes of every
+    collective and transfer of this rank's stage equal the analytic count; what the count leaves out is only the
+    loop's few-byte reductions."""
+    problems = []
+    for index, layout in enumerate(layouts):
+        sizes = {k: v for k, v in layout.items() if k not in ("ac", "case", "schedule", "micro_batches")}
+        shape = StepShape(ROWS, SEQ, layout.get("micro_batches", MICRO_BATCHES),
+                          activation_checkpointing=layout.get("ac", "none"),
+                          pipeline_schedule=layout.get("schedule", "1f1b"))
+        counted, dims = fitted_step(layout.get("case", CASE), sizes, shape, f"{root}/{index}")
+        analytic = model_comm_bytes(tiny_config(layout.get("case", CASE)), dims, shape, pp_rank=dims.pp_rank)
+        expected = in_groups(analytic, dims)
+        modelled = {key: size for key, size in counted.items()
+                    if key in expected or key[0] not in BOOKKEEPING or size > BOOKKEEPING_BYTES}
+        if modelled != expected or not any(kind == "send" for kind, _ in expected):
+            problems.append(f"rank {dist.get_rank()} {layout}: counted {sorted(modelled.items())} != analytic "
+                            f"{sorted(expected.items())}")
+    return problems
