@@ -11,8 +11,9 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
   rows of this rank's tensor-parallel part of it (FSDP pads the last); all-gathers move ``param_dtype``,
   reduce-scatters ``reduce_dtype``. HSDP all-reduces the reduce-scattered shards over ``dp_replicate`` once per
   step (the micro-batches before the last defer it).
-- Tensor parallelism (``tp`` mesh), per micro-batch: the embedding's partial rows reduce-scattered to sequence
-  shards (forward) and the gradient all-gathered back; per linear group a record gathers (``models/blocks.py``:
+- Tensor parallelism (``tp`` mesh; over this rank's context-parallel shard of the row), per micro-batch: the
+  embedding's partial rows reduce-scattered to sequence shards (forward) and the gradient all-gathered back (on the
+  first pipeline stage; the output layer's on the last); per linear group a record gathers (``models/blocks.py``:
   attention's q/k/v, an MLP, shared experts) the sequence all-gathered on entry and the row-wise output
   reduce-scattered, the reverse in backward, and the all-gather again where a checkpointed block recomputes its
   forward (the reduce-scatters' outputs are kept); the output layer's all-gather of the hidden states (backward: a
@@ -20,8 +21,8 @@ reduce-scatter's input, an all-reduce's or all-to-all's input), by kind and mesh
   load-balancing loss's mean. Replicated parameters' partial gradients (norms, routers, experts without expert
   parallelism) are all-reduced in the compute dtype, once per step without FSDP, every micro-batch with it.
 - Context parallelism (``cp`` mesh), per micro-batch: the row's positions (int64) all-gathered once per forward;
-  per attention block the keys and values all-gathered (again in a recomputed forward), their gradients
-  reduce-scattered.
+  per attention block the keys and values (this rank's heads under TP) all-gathered (again in a recomputed
+  forward), their gradients reduce-scattered.
 - Pipeline parallelism (``pp`` mesh; one stage per rank: the ``gpipe`` and ``1f1b`` schedules), per micro-batch
   of the schedule: the hidden states (and the embeddings of the tokens ahead, one per MTP depth) sent to the next
   stage and their gradients back. A stage is FSDP-sharded like a model of its own parts, but the schedule keeps a
@@ -37,9 +38,8 @@ The training loop's own few-byte reductions (the step's loss and token sums over
 finite-gradient flag, the gradient norm) are not the model's and are left out.
 
 Not counted yet (refused by name, :func:`check_counted`): pipeline schedules with several stages per rank, and
-pipelines together with tensor or context parallelism or HSDP; tensor parallelism of MLA, of token-for-head trading
-mixers (Mamba-2, GDN, KDA) and of MTP; context parallelism of those and of MLA, or together with tensor parallelism;
-HSDP together with expert parallelism.
+pipelines together with HSDP; tensor parallelism of MLA, of token-for-head trading mixers (Mamba-2, GDN, KDA) and of
+MTP; context parallelism of those and of MLA; HSDP together with expert parallelism.
 """
 
 from __future__ import annotations
@@ -92,12 +92,10 @@ def check_counted(config: ModelConfig, dims, shape: StepShape) -> None:
 
     if dims.pp > 1 and shape.pipeline_schedule not in COUNTED_SCHEDULES:
         refuse(f"the {shape.pipeline_schedule} schedule (pp={dims.pp})")
-    if dims.pp > 1 and (dims.tp > 1 or dims.cp > 1 or dims.dp_replicate > 1):
-        refuse(f"pp={dims.pp} with tp={dims.tp}, cp={dims.cp}, dp_replicate={dims.dp_replicate}")
+    if dims.pp > 1 and dims.dp_replicate > 1:
+        refuse(f"pp={dims.pp} with dp_replicate={dims.dp_replicate}")
     if dims.dp_replicate > 1 and dims.ep > 1:
         refuse(f"dp_replicate={dims.dp_replicate} with ep={dims.ep}")
-    if dims.cp > 1 and dims.tp > 1:
-        refuse(f"cp={dims.cp} with tp={dims.tp}")
     with torch.device("meta"):
         model = Decoder(config)
     if config.mtp is not None and (dims.tp > 1 or dims.cp > 1):
@@ -116,7 +114,9 @@ def model_comm_bytes(config: ModelConfig, dims, shape: StepShape, pp_rank: int =
     check_counted(config, dims, shape)
     with torch.device("meta"):
         whole = Decoder(config)
-    model = whole if dims.pp == 1 else _stage(whole, dims, shape, pp_rank)
+    spec = split_model(whole, dims.pp, shape.pipeline_layout)[pp_rank] if dims.pp > 1 else None
+    model = whole if spec is None else _stage(whole, spec)
+    first, last = spec is None or spec.embedding, spec is None or spec.output
     total: dict[tuple[str, str], int] = defaultdict(int)
     tp_split = split_dimensions(model) if dims.tp > 1 else {}
     expert_ids = {id(p) for moe in model.modules() if isinstance(moe, MoE) for p in moe.experts.parameters()}
@@ -136,9 +136,9 @@ def model_comm_bytes(config: ModelConfig, dims, shape: StepShape, pp_rank: int =
     if dims.pp > 1:
         _pipeline(model, dims, shape, total, pp_rank)
     if dims.tp > 1:
-        _tensor(model, dims, shape, total, tp_split, expert_ids, checkpointed)
+        _tensor(model, dims, shape, total, tp_split, expert_ids, checkpointed, first, last)
     if dims.cp > 1:
-        _context(model, shape, total, checkpointed)
+        _context(model, dims, shape, total, checkpointed)
     if dims.ep > 1:
         _experts(model, config, dims, shape, total, checkpointed)
     return dict(total)
@@ -179,11 +179,12 @@ def _fsdp(model: Decoder, dims, shape: StepShape, total: dict, local_shape, expe
 
 
 def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[int, int], expert_ids: set[int],
-            checkpointed: set[int]) -> None:
+            checkpointed: set[int], first: bool, last: bool) -> None:
     m = shape.micro_batches
     act = _element_size(shape.param_dtype or shape.dtype)
-    hidden = shape.rows * shape.seq_len * model.config.hidden_size * act  # the whole sequence's hidden states
-    gathers = reduces = 2  # the embedding's and the output layer's, forward and backward
+    tokens = shape.rows * shape.seq_len // dims.cp  # the whole sequence of this context-parallel rank
+    hidden = tokens * model.config.hidden_size * act
+    gathers = reduces = first + last  # the embedding's and the output layer's, forward and backward
     aux_means = 0
     for _, block in repeated_blocks(model):
         groups = sum(1 for group in block.kind.tensor.gathered if submodule(block, group.owner) is not None)
@@ -195,7 +196,7 @@ def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[
             aux_means += 1  # a recomputed forward keeps the first mean
     total[("all_gather", "tp")] += m * gathers * hidden
     total[("reduce_scatter", "tp")] += m * reduces * hidden
-    labels = shape.rows * shape.seq_len if shape.label_tokens is None else shape.label_tokens
+    labels = (tokens if shape.label_tokens is None else shape.label_tokens) if last else 0
     total[("all_reduce", "tp")] += m * (CE_STATISTICS * labels + aux_means) * _element_size(torch.float32)
     replicated = sum(p.numel() for p in model.parameters()
                      if id(p) not in tp_split and not (dims.ep > 1 and id(p) in expert_ids))
@@ -204,7 +205,7 @@ def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[
     total[("all_reduce", "tp")] += (m if with_fsdp else 1) * replicated * act
 
 
-def _context(model: Decoder, shape: StepShape, total: dict, checkpointed: set[int]) -> None:
+def _context(model: Decoder, dims, shape: StepShape, total: dict, checkpointed: set[int]) -> None:
     m = shape.micro_batches
     act = _element_size(shape.param_dtype or shape.dtype)
     total[("all_gather", "cp")] += m * shape.rows * shape.seq_len * INT64  # the row's positions
@@ -212,7 +213,8 @@ def _context(model: Decoder, shape: StepShape, total: dict, checkpointed: set[in
         if block.kind.context != "attend":
             continue
         attn = getattr(block, block.kind.attribute)
-        kv = shape.rows * shape.seq_len * (attn.k_proj.out_features + attn.v_proj.out_features) * act
+        heads = (attn.k_proj.out_features + attn.v_proj.out_features) // dims.tp  # this rank's under TP
+        kv = shape.rows * shape.seq_len * heads * act
         total[("all_gather", "cp")] += m * (2 if id(block) in checkpointed else 1) * kv
         total[("reduce_scatter", "cp")] += m * kv
 
@@ -228,9 +230,8 @@ def _experts(model: Decoder, config: ModelConfig, dims, shape: StepShape, total:
 
 
 
-def _stage(whole: Decoder, dims, shape: StepShape, pp_rank: int) -> Decoder:
-    """The decoder pruned to what pipeline rank ``pp_rank`` holds (one stage per rank: the counted schedules)."""
-    spec = split_model(whole, dims.pp, shape.pipeline_layout)[pp_rank]
+def _stage(whole: Decoder, spec) -> Decoder:
+    """The decoder pruned to what a pipeline rank holds (one stage per rank: the counted schedules)."""
     part = Decoder.__new__(Decoder)
     hold_parts(part, whole, spec.blocks, spec.embedding, spec.output)
     return part
@@ -259,7 +260,9 @@ def _pipeline(model: Decoder, dims, shape: StepShape, total: dict, pp_rank: int)
     act = _element_size(shape.param_dtype or shape.dtype)
     mtp = model.config.mtp
     depths = mtp.num_layers if mtp is not None and mtp.enabled and mtp.num_layers else 0
-    sent = shape.micro_batches * (1 + depths) * shape.rows * shape.seq_len * model.config.hidden_size * act
+    # the hidden states between blocks: this rank's sequence shard under context and tensor (sequence) parallelism
+    tokens = shape.rows * shape.seq_len // (dims.cp * dims.tp)
+    sent = shape.micro_batches * (1 + depths) * tokens * model.config.hidden_size * act
     if pp_rank < dims.pp - 1:  # the stage's output forward, its gradient back
         total[("send", "pp")] += sent
         total[("recv", "pp")] += sent

@@ -203,7 +203,8 @@ def split_dimensions(model: nn.Module) -> dict[int, int]:
     communication count sizes each rank's shards with it)."""
     from torch.distributed.tensor import Replicate
 
-    split = {id(model.embed.weight): 0} | ({id(model.lm_head.weight): 0} if model.lm_head is not None else {})
+    # a pipeline stage may hold neither the embedding nor the output layer
+    split = {id(layer.weight): 0 for layer in (model.embed, model.lm_head) if layer is not None}
     for prefix, block in _named_blocks(model):
         for _, linear, style in block_split_linears(block, prefix):
             for part, module in lora_parts(linear):

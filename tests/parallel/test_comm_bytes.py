@@ -1,7 +1,7 @@
 """The bytes each collective handles in an optimizer step, counted on gloo ranks, equal the analytic count of
 ``lightning_moe.parallel.comm`` exactly, by kind and mesh dimension: FSDP2 all-gathers and reduce-scatters, HSDP's
 all-reduces, tensor-parallel gathers, reduce-scatters and all-reduces, context-parallel key/value exchanges,
-expert-parallel all-to-alls, alone and in pairs, with and without activation checkpointing, at 2 and 4 ranks (one
+expert-parallel all-to-alls, pipeline transfers, alone and in pairs, with and without activation checkpointing, at 2 and 4 ranks (one
 launch per rank count); pipeline sends and receives and the FSDP traffic of stages under the 1F1B and GPipe
 schedules, with MTP's embeddings ahead, counted during ``Trainer.fit``. Layouts it does not count are refused by
 name."""
@@ -35,14 +35,15 @@ def test_counted_bytes_equal_the_analytic_count_on_4_ranks(tmp_path):
         {"tp": 2, "dp_shard": 2}, {"tp": 2, "dp_shard": 2, "ep": 2, "ac": "full"}, {"tp": 2, "dp_shard": 2, "ep": 4},
         {"dp_replicate": 2, "dp_shard": 2}, {"dp_replicate": 2, "tp": 2, "case": AUX},
         {"cp": 2, "dp_shard": 2, "ac": "full"}, {"dp_replicate": 2, "cp": 2},
+        {"cp": 2, "tp": 2, "case": AUX, "ac": "full"}, {"cp": 2, "tp": 2, "ep": 2},
     ], [{"pp": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2, "schedule": "gpipe", "micro_batches": 4},
         {"pp": 2, "dp_shard": 2, "ep": 2, "ac": "full", "micro_batches": 4},
-        {"pp": 2, "dp_shard": 2, "case": "deepseek_like"}, {"pp": 4, "micro_batches": 4}])
+        {"pp": 2, "dp_shard": 2, "case": "deepseek_like"}, {"pp": 4, "micro_batches": 4},
+        {"pp": 2, "tp": 2, "micro_batches": 4, "ac": "full"}, {"pp": 2, "cp": 2}])
 
 
 @pytest.mark.parametrize(("case", "sizes", "named"), [
-    ("qwen3_moe_balanced", {"pp": 2, "tp": 2}, "pp=2 with tp=2"),
-    ("qwen3_moe_balanced", {"cp": 2, "tp": 2}, "cp=2 with tp=2"),
+    ("qwen3_moe_balanced", {"pp": 2, "dp_replicate": 2}, "pp=2 with dp_replicate=2"),
     ("qwen3_moe_balanced", {"dp_replicate": 2, "ep": 2, "dp_shard": 2}, "dp_replicate=2 with ep=2"),
     ("mla_moe", {"tp": 2}, "tensor parallelism of mla blocks"),
     ("mla_moe", {"cp": 2}, "context parallelism of mla blocks"),
