@@ -38,22 +38,23 @@ def _layout_line(work: Workload) -> str:
 def render(work: Workload, p: Prediction, hw: Hardware) -> str:
     lines = [_layout_line(work), f"Hardware: {hw.name} ({hw.source}; constants: {hw.family})", ""]
     if work.memory:
-        lines += ["| memory per rank (GiB) | " + " | ".join(r.kind for r in work.memory) + " |",
+        unit, scale = ("GiB", GIB) if p.peak_memory_bytes >= GIB else ("MiB", 2**20)
+        lines += [f"| memory per rank ({unit}) | " + " | ".join(r.kind for r in work.memory) + " |",
                   "|---|" + "---:|" * len(work.memory)]
         for name in work.memory[0].components:
-            lines.append(f"| {name} | " + " | ".join(f"{r.components[name] / GIB:.2f}" for r in work.memory) + " |")
-        lines.append("| **total** | " + " | ".join(f"**{r.total / GIB:.2f}**" for r in work.memory) + " |")
+            lines.append(f"| {name} | " + " | ".join(f"{r.components[name] / scale:.2f}" for r in work.memory) + " |")
+        lines.append("| **total** | " + " | ".join(f"**{r.total / scale:.2f}**" for r in work.memory) + " |")
         verdict = "fits" if p.fits else "does NOT fit"
-        lines += ["", f"Largest rank {p.peak_memory_bytes / GIB:.2f} GiB of {hw.memory_gib:.1f} GiB -> {verdict}", ""]
+        lines += ["", f"Largest rank {p.peak_memory_bytes / scale:.2f} {unit} of {hw.memory_gib:.1f} GiB -> {verdict}", ""]
     lines += ["| step time (s) | seconds | share |", "|---|---:|---:|"]
     for name, seconds in p.breakdown().items():
-        lines.append(f"| {name} | {seconds:.3f} | {100 * seconds / p.step_time_s:.1f} % |")
-    lines.append(f"| **step** | **{p.step_time_s:.3f}** | |")
+        lines.append(f"| {name} | {seconds:.4g} | {100 * seconds / p.step_time_s:.1f} % |")
+    lines.append(f"| **step** | **{p.step_time_s:.4g}** | |")
     lines += ["", "| communication | link | total (s) | exposed (s) |", "|---|---|---:|---:|"]
     for dim, seconds in p.comm_s.items():
         share = max((c.offnode for c in work.comm if c.dim == dim), default=0.0)
         link = "NVLink" if share == 0 else ("network" if share == 1 else f"network {100 * share:.0f} %")
-        lines.append(f"| {dim} | {link} | {seconds:.3f} | {p.exposed_s.get(dim, 0.0):.3f} |")
+        lines.append(f"| {dim} | {link} | {seconds:.4g} | {p.exposed_s.get(dim, 0.0):.4g} |")
     for dim, why in work.not_counted.items():
         lines.append(f"| {dim} | not counted | - | - |")
         lines.append(f"|  | ({why}) | | |")

@@ -62,10 +62,11 @@ class Constants:
 
 FITTED = ("gemm", "gemm_knee", "link")
 
-# fitted by benchmarks/plan_vs_published.py on its calibration rows (every other published row per GPU type)
+# fitted by benchmarks/plan_vs_published.py on its calibration rows (every other published row per GPU type, in
+# file order): H100 on 8 rows, GB200 on 4; ``link`` reached the top of the grid (1.0) on both
 FAMILIES: dict[str, Constants] = {
-    "hopper": Constants(),
-    "blackwell": Constants(),
+    "hopper": Constants(gemm=0.65, gemm_knee=128.0, link=1.0),
+    "blackwell": Constants(gemm=0.85, gemm_knee=2048.0, link=1.0),
 }
 
 
