@@ -1,4 +1,5 @@
-"""``lightning-moe``: training through LightningCLI, plus the convert / data / estimate / report / slurm tools.
+"""``lightning-moe``: training through LightningCLI, plus the convert / data / estimate / plan / report / slurm
+tools.
 
     lightning-moe fit --config recipe.yaml [--trainer.max_steps 100 ...] [--ckpt_path last]
     lightning-moe validate|test --config recipe.yaml --ckpt_path CKPT|last
@@ -11,6 +12,7 @@
     lightning-moe convert verify --reference DIR --candidate DIR
     lightning-moe data pack|index|cache-latents ...
     lightning-moe estimate --config recipe.yaml [--device-memory GIB] [--trainer.devices 8 ...]
+    lightning-moe plan --config recipe.yaml [--gpu h100|h200|b200|gb200|FILE.yaml] [--gpus N --top K] [--json OUT]
     lightning-moe report RUN_DIR
     lightning-moe slurm --config recipe.yaml [--nodes N --gpus-per-node G ...] [--dry-run | --submit]
 
@@ -36,6 +38,7 @@ TOOLS = {
     "data": "lightning_moe.data.commands",
     "estimate": "lightning_moe.estimate.command",
     "generate": "lightning_moe.workflows.generate",
+    "plan": "lightning_moe.plan.command",
     "report": "lightning_moe.callbacks.report",
     "slurm": "lightning_moe.slurm",
 }

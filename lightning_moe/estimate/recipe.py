@@ -32,6 +32,7 @@ class RecipeLayout:
     micro_batch_size: int
     seq_length: int
     hardware: str | None
+    global_batch_size: int | None = None  # the data module's rows per optimizer step (None: one micro-batch per rank)
 
 
 def apply_overrides(config: dict, overrides: list[str]) -> dict:
@@ -89,7 +90,7 @@ def model_config_of(module) -> ModelConfig:
     return module.resolved_config()
 
 
-def _data_sizes(data: dict) -> tuple[int, int]:
+def _data_sizes(data: dict) -> tuple[int, int, int | None]:
     from jsonargparse import ArgumentParser
     from lightning.pytorch import LightningDataModule
 
@@ -103,7 +104,8 @@ def _data_sizes(data: dict) -> tuple[int, int]:
     if rows is None:
         raise ValueError(f"data ({resolved.class_path}): no row length (seq_length / packed_sequence_size) to "
                          f"estimate at")
-    return int(getattr(module, "micro_batch_size", 1) or 1), rows.tokens
+    gbs = getattr(module, "global_batch_size", None)
+    return int(getattr(module, "micro_batch_size", 1) or 1), rows.tokens, int(gbs) if gbs else None
 
 
 def _import(path: str):
@@ -139,10 +141,11 @@ def load_recipe(path: str | Path, overrides: list[str]) -> RecipeLayout:
     devices = trainer.get("devices", 1)
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"{path}: trainer.devices={devices!r}: estimate needs a number of devices per node")
-    micro_batch, seq = _data_sizes(config["data"])
+    micro_batch, seq, global_batch = _data_sizes(config["data"])
     return RecipeLayout(
         path=str(path), model=model_config_of(module), fp8=module.fp8, peft=module.peft, freeze=module.freeze,
         precision=str(trainer.get("precision", "32-true")), accelerator=str(trainer.get("accelerator", "auto")),
         world_size=devices * int(trainer.get("num_nodes", 1)),
         strategy=strategy_args, micro_batch_size=micro_batch, seq_length=seq, hardware=_hardware(path),
+        global_batch_size=global_batch,
     )
