@@ -243,9 +243,10 @@ def offnode_share(ranks: int, stride: int, domain: int) -> float:
     return (ranks - inside) / (ranks - 1)
 
 
-def comm_items(layout: RecipeLayout, dims: ParallelDims, micro_batches: int, domain: int
+def comm_items(layout: RecipeLayout, dims: ParallelDims, micro_batches: int, domain: int, schedule: str = "1f1b"
                ) -> tuple[list[Comm], dict[str, str], list[str]]:
-    """The collectives of one step from :func:`model_comm_bytes`; dimensions it refuses are named, not guessed."""
+    """The collectives of one step from :func:`model_comm_bytes` (under a pipeline: the busiest stage's, per
+    collective); dimensions it refuses are named, not guessed."""
     args = layout.strategy
     stored = stored_dtype(layout.precision)
     from lightning_moe.dtypes import dtype_option
@@ -254,17 +255,17 @@ def comm_items(layout: RecipeLayout, dims: ParallelDims, micro_batches: int, dom
                       dtype=stored, param_dtype=dtype_option(args.get("param_dtype"), "param_dtype"),
                       reduce_dtype=dtype_option(args.get("reduce_dtype", "float32"), "reduce_dtype") or torch.float32,
                       activation_checkpointing=str(args.get("activation_checkpointing", "none")),
-                      activation_checkpointing_every=int(args.get("activation_checkpointing_every", 1)))
+                      activation_checkpointing_every=int(args.get("activation_checkpointing_every", 1)),
+                      pipeline_schedule=schedule, pipeline_layout=args.get("pp_layout"))
     not_counted: dict[str, str] = {}
     notes: list[str] = []
     counted_dims, scale = dims, 1.0
     while True:
         try:
-            counts = model_comm_bytes(layout.model, counted_dims, shape)
+            stages = [model_comm_bytes(layout.model, counted_dims, shape, pp_rank=rank)
+                      for rank in range(counted_dims.pp)]
+            counts = {key: max(stage.get(key, 0) for stage in stages) for key in set().union(*stages)}
             break
-        except AttributeError as error:  # a block kind the count does not walk yet (MTP depths)
-            not_counted["all"] = f"model_comm_bytes failed on this model ({error})"
-            return [], not_counted, notes
         except NotImplementedError as error:
             reason = str(error)
             dropped = next((d for d in ("pp", "tp", "cp", "dp_replicate") if getattr(counted_dims, d) > 1), None)
@@ -298,7 +299,7 @@ def workload(layout: RecipeLayout, memory: bool = True, domain: int = 8) -> Work
     rows, micro_batches = step_rows(layout, dims)
     trainable = _trainable_fraction(layout)
     compute, model_flops = compute_items(layout, dims, rows, micro_batches, trainable)
-    comm, not_counted, notes = comm_items(layout, dims, micro_batches, domain)
+    comm, not_counted, notes = comm_items(layout, dims, micro_batches, domain, schedule)
     ranks = estimate_memory(layout) if memory else []
     itemsize = 2 if layout.precision.startswith(("bf16", "16")) else 4
     hidden_pass, moe_copies = elementwise_bytes(layout, rows, itemsize)

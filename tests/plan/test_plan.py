@@ -79,12 +79,23 @@ def test_faster_hardware_is_never_slower(ep2):
     assert base.fits
 
 
-def test_pipeline_bytes_named_when_not_counted():
+def test_pipeline_bytes_are_the_busiest_stage():
     layout = load_recipe(RECIPE, ["--trainer.devices", "2", "--trainer.strategy.init_args.pp", "2"])
     work = workload(layout, memory=False)
-    counted = any(c.dim == "pp" for c in work.comm)
-    assert counted or "pp" in work.not_counted
+    shape = StepShape(rows=layout.micro_batch_size, seq_len=layout.seq_length, micro_batches=work.micro_batches,
+                      dtype=stored_dtype(layout.precision), activation_checkpointing="full")
+    stages = [model_comm_bytes(layout.model, work.dims, shape, pp_rank=rank) for rank in range(2)]
+    assert stages[0][("send", "pp")] > 0 and not work.not_counted
+    assert {(c.kind, c.dim): c.bytes for c in work.comm} == {
+        key: max(stage.get(key, 0) for stage in stages) for key in {*stages[0], *stages[1]}}
     assert predict(work, hardware_named("h100")).bubble_s > 0
+
+
+def test_interleaved_pipelines_are_named_as_not_counted():
+    layout = load_recipe(RECIPE, ["--trainer.devices", "2", "--trainer.strategy.init_args.pp", "2",
+                                  "--trainer.strategy.init_args.vp", "2"])
+    work = workload(layout, memory=False)
+    assert "interleaved_1f1b schedule" in work.not_counted["pp"]
 
 
 def test_search_drops_layouts_that_do_not_fit(ep2, tmp_path):
