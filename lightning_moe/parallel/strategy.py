@@ -124,7 +124,6 @@ class ParallelStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
-        self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
         self.parallel_options = ParallelOptions(
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every,
@@ -134,6 +133,9 @@ class ParallelStrategy(ModelParallelStrategy):
             reduce_dtype=dtype_option(reduce_dtype, "reduce_dtype"),
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,
+            vp=vp,
+            pp_schedule=pp_schedule,
+            pp_layout=pp_layout,
         )
         self._parallel_dims: ParallelDims | None = None
         # the runner of this rank's pipeline stages, set when the model is built (parallel/pipeline_runner.py)
@@ -199,7 +201,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if self.pipeline_parallel:
             check_splittable(model, self._sizes["pp"])
             model, self.pipeline = split_into_stages(model, self.parallel_dims, self.parallel_options,
-                                                     self.pipeline_options, self.root_device)
+                                                     self.root_device)
             return model
         return parallelize(model, self.parallel_dims, self.parallel_options)
 
