@@ -56,10 +56,6 @@ from lightning_moe.modules.optim import (
     build_scheduler,
     check_finite,
 )
-from lightning_moe.modules.pipeline_step import (
-    pipelined_eval_step,
-    pipelined_training_step,
-)
 from lightning_moe.modules.rng import gather_rng_states, restore_rng_states
 from lightning_moe.modules.step_metrics import (
     UNLOGGED,
@@ -166,7 +162,6 @@ class CausalLM(L.LightningModule):
             # LoRA checkpoints hold no frozen weights: they come from ``pretrained`` on resume
             keep_checkpoints_adapter_only(self)
         self.model: Decoder | HFModel | None = None
-        self._pipeline = None  # the runner of the stages under pipeline parallelism (the strategy's)
         self._step_stats: StepStats | None = None
         self._source = None
         self._native_settings: HFModelConfig | None = None  # an HFModelConfig routed to the native path
@@ -227,8 +222,6 @@ class CausalLM(L.LightningModule):
                 parallelize=getattr(strategy, "parallelize", None), device=strategy.root_device,
                 fp8=self.fp8, peft=self.peft, freeze=self.freeze,
             )
-        # under a pipeline the strategy split the model into stages and keeps their runner
-        self._pipeline = getattr(strategy, "pipeline", None)
 
     def on_fit_start(self) -> None:
         # token ids past the embedding end in an IndexError deep in the first step; name them now
@@ -292,9 +285,13 @@ class CausalLM(L.LightningModule):
         value = value.detach().double()
         sums[name] = sums[name] + value if name in sums else value
 
+    def add_sums(self, sums: dict[str, torch.Tensor], evaluation: bool = False) -> None:
+        """Loss sums of this step's (or this evaluation's) micro-batches that join the module's: also those a
+        pipeline schedule computed (``ParallelStrategy`` runs it in its step hooks)."""
+        for name, value in sums.items():
+            self._accumulate(self._eval_sums if evaluation else self._step_sums, name, value)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        if self._pipeline is not None:
-            return pipelined_training_step(self, batch)
         out, tokens = self._loss_output(batch)
         sums = self._step_sums
         self._accumulate(sums, "loss_sum", out.loss_sum)
@@ -315,17 +312,15 @@ class CausalLM(L.LightningModule):
         return objective
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._pipeline is not None:
-            self._pipeline.check_step_complete()
         names = sorted(self._step_sums)
         totals = self._all_reduce(torch.stack([self._step_sums[n] for n in names]))
         step = dict(zip(names, totals))  # device values: read back every log_every_n_steps (step_metrics.py)
         self._step_sums = {}
         label_tokens = step["label_tokens"].clamp(min=1.0)
-        # undo the mean over reducing ranks and Lightning's 1/accumulate (a pipeline schedule backpropagates
-        # the sums themselves), divide by the global label count
-        accumulated = 1 if self._pipeline is not None else self.trainer.accumulate_grad_batches
-        factor = torch.full_like(label_tokens, self._reduction_size() * accumulated) / label_tokens
+        # undo the mean over reducing ranks and over the micro-batches Lightning's backward averaged (the
+        # strategy's figure: a pipeline schedule backpropagates their sums), divide by the global label count
+        averaged = getattr(self.trainer.strategy, "averaged_micro_batches", self.trainer.accumulate_grad_batches)
+        factor = torch.full_like(label_tokens, self._reduction_size() * averaged) / label_tokens
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         scale_gradients(grads, factor)
         metrics = self.step_metrics
@@ -385,8 +380,6 @@ class CausalLM(L.LightningModule):
 
     def on_train_end(self) -> None:
         self._read_metrics(log=False)  # the steps since the last logging step, for the callbacks' records
-        if self._pipeline is not None:
-            self._pipeline.reduce_timings()
 
     def _read_metrics(self, log: bool) -> None:
         """The kept steps' values on the host: logged (the last step's), and handed to the callbacks that take
@@ -408,13 +401,8 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
-        if self._pipeline is not None:
-            for name, value in pipelined_eval_step(self, batch).items():
-                self._accumulate(self._eval_sums, name, value)
-            return
         out, _ = self._loss_output(batch)
-        self._accumulate(self._eval_sums, "loss_sum", out.loss_sum)
-        self._accumulate(self._eval_sums, "label_tokens", out.num_label_tokens)
+        self.add_sums({"loss_sum": out.loss_sum, "label_tokens": out.num_label_tokens}, evaluation=True)
 
     def _log_eval(self, prefix: str) -> None:
         if not self._eval_sums:

@@ -27,6 +27,7 @@ from lightning_moe.parallel.hf_context import apply_hf_context_parallel, check_h
 from lightning_moe.parallel.hf_expert import apply_hf_expert_parallel, check_hf_expert_parallel
 from lightning_moe.parallel.model_kind import Refusal, refuse_unsupported
 from lightning_moe.parallel.options import ParallelOptions
+from lightning_moe.parallel.pipeline import SPLIT_BACKWARD
 
 # transformers' tensor-parallel styles whose weights are plain row or column slices (so checkpoints load into
 # them by DTensor placement) and whose gradients come out complete
@@ -97,6 +98,8 @@ class TransformersModel:
         Refusal(("pp", "cp"), "whose pipeline stages are not split by context parallelism there"),
         Refusal(("pp", "tp"), "whose tensor-parallel plan names the whole model, not a pipeline stage"),
         Refusal(("compile", "pp"), "whose pipeline stages are not tested compiled"),
+        Refusal(("pp", f"pp_schedule={'|'.join(SPLIT_BACKWARD)}"),
+                "whose stages do not split their backward in two, as zero-bubble schedules need"),
     )
 
     def check(self, model: nn.Module, dims, options) -> None:

@@ -16,11 +16,15 @@ from typing import Protocol
 
 from torch import nn
 
+from lightning_moe.parallel.dims import MESH_SIZE_NAMES
+
 
 @dataclass(frozen=True)
 class Refusal:
-    """A setting, or two together, that a model kind does not run: ``settings`` are sizes (refused above 1) or
-    ``compile`` (refused when on); ``reason`` completes "<model> runs through <kind>, ..."."""
+    """Settings, together, that a model kind does not run. Each is a size (refused above 1), ``compile`` (refused
+    when on), ``fsdp`` (FSDP wraps the model: data parallelism, ``param_dtype`` or ``cpu_offload``), a flag of the
+    model config (refused when on) or ``pp_schedule=a|b`` (refused at these schedules); ``reason`` completes
+    "<model> runs through <kind>, ..."."""
 
     settings: tuple[str, ...]
     reason: str
@@ -46,24 +50,53 @@ class ModelKind(Protocol):
         """What a model needs when FSDP does not wrap it (summing partial gradients of replicated weights)."""
 
 
-def _active(setting: str, dims, options) -> bool:
-    return options.compile if setting == "compile" else getattr(dims, setting) > 1
+def _value(key: str, dims, options, config):
+    if key == "fsdp":
+        return options.fsdp_applies(dims)
+    if key in ("compile", "pp_schedule"):
+        return getattr(options, key)
+    if key in MESH_SIZE_NAMES:
+        return getattr(dims, key)
+    return bool(getattr(config, key, False))  # a flag of the model config (none known: off)
 
 
-def _named(setting: str, dims) -> str:
-    return "compile=True" if setting == "compile" else f"{setting}={getattr(dims, setting)}"
+def _active(setting: str, value) -> bool:
+    _, _, refused = setting.partition("=")
+    if refused:
+        return value in refused.split("|")
+    return value if isinstance(value, bool) else value > 1
 
 
-def _off(setting: str) -> str:
-    return "compile=False" if setting == "compile" else f"{setting}=1"
+def _named(setting: str, value) -> str:
+    key, _, refused = setting.partition("=")
+    return "FSDP" if key == "fsdp" else f"{key}={value!r}" if refused else f"{key}={value}"
 
 
-def refuse_unsupported(kind: ModelKind, model_name: str, dims, options) -> None:
-    """The first of ``kind``'s refusals that these sizes and options meet, as a one-line error."""
+def _off(setting: str, value) -> str:
+    key, _, refused = setting.partition("=")
+    if key == "fsdp":
+        return "no FSDP (one data-parallel rank, no param_dtype or cpu_offload)"
+    if refused:
+        return f"a {key} other than {refused.replace('|', ', ')}"
+    return f"{key}=False" if isinstance(value, bool) else f"{key}=1"
+
+
+def _listed(setting: str) -> str:
+    key, _, refused = setting.partition("=")
+    if key == "fsdp":
+        return "FSDP"
+    if refused:
+        return f"`{key}` {refused.replace('|', ' / ')}"
+    return f"`{key} > 1`" if key in MESH_SIZE_NAMES else f"`{key}`"
+
+
+def refuse_unsupported(kind: ModelKind, model_name: str, dims, options, config=None) -> None:
+    """The first of ``kind``'s refusals that these sizes, options and model config meet, as a one-line error."""
     for refusal in kind.refusals:
-        if all(_active(setting, dims, options) for setting in refusal.settings):
-            named = " with ".join(_named(setting, dims) for setting in refusal.settings)
-            fixes = " or ".join(_off(setting) for setting in reversed(refusal.settings))
+        pairs = [(setting, _value(setting.partition("=")[0], dims, options, config)) for setting in refusal.settings]
+        if all(_active(*pair) for pair in pairs):
+            named = " with ".join(_named(*pair) for pair in pairs)
+            fixes = " or ".join(_off(*pair) for pair in reversed(pairs))
             raise ValueError(f"{named}: {model_name} runs through {kind.name}, {refusal.reason}; use {fixes}")
 
 
@@ -72,6 +105,6 @@ def not_supported_lines(kinds: list[ModelKind]) -> list[str]:
     lines = []
     for kind in kinds:
         for refusal in kind.refusals:
-            settings = " with ".join(f"`{s}`" if s == "compile" else f"`{s} > 1`" for s in refusal.settings)
+            settings = " with ".join(_listed(setting) for setting in refusal.settings)
             lines.append(f"- {kind.name}: {settings} ({refusal.reason})")
     return lines

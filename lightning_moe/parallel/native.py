@@ -1,6 +1,6 @@
 """The native decoder as a model kind (``parallel/model_kind.py``): ``models/decoder.py``'s ``Decoder`` and its
-pipeline stages. Its limits are its block kinds' (``models/blocks.py``: split checks of every record, read by
-``ParallelDims.check_model``) and those of converted layers under tensor parallelism."""
+pipeline stages. Its limits are its refusals, its block kinds' (``models/blocks.py``: split checks of every record,
+read by ``ParallelDims.check_model``) and those of converted layers under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ from torch import nn
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.context import apply_context_parallel
 from lightning_moe.parallel.expert import AllToAllDispatcher, apply_expert_parallel
+from lightning_moe.parallel.model_kind import Refusal, refuse_unsupported
+from lightning_moe.parallel.pipeline import V_SHAPED
 from lightning_moe.parallel.tensor import apply_tensor_parallel, split_linears, sum_partial_gradients
 from lightning_moe.precision.fp8_tensor_parallel import check_split
+
+# without FSDP or TP both stages simply hold the one embedding module, whose gradient sums both uses
+_SHARED_EMBEDDING = ("whose V schedules put the first and last stages on one rank, where the embedding they share "
+                     "would be split twice")
+_V_SCHEDULES = f"pp_schedule={'|'.join(V_SHAPED)}"
 
 
 class NativeDecoder:
     name = "the native decoder"
-    refusals = ()
+    refusals = (Refusal(("pp", _V_SCHEDULES, "tie_embeddings", "fsdp"), _SHARED_EMBEDDING),
+                Refusal(("pp", _V_SCHEDULES, "tie_embeddings", "tp"), _SHARED_EMBEDDING))
 
     def check(self, model: nn.Module, dims, options) -> None:
+        refuse_unsupported(self, "the model", dims, options, model.config)
         dims.check_model(model.config)
 
     def apply_model_parallel(self, model: nn.Module, dims, options) -> None:

@@ -191,6 +191,16 @@ class PipelineRunner:
             return []
         return list(self.model.embed.parameters())
 
+    def checked(self, closure):
+        """Lightning's closure of an optimizer step (its window's last micro-batch), then the check that the
+        window ended where the schedule ran, before the gradients are read."""
+        def run():
+            result = closure()
+            self.check_step_complete()
+            return result
+
+        return run
+
     def check_step_complete(self) -> None:
         """Lightning's accumulation window must end where the schedule ran: not the case after resuming a
         checkpoint written with another accumulation count at a batch count the new one does not divide."""

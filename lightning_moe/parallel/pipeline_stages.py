@@ -24,7 +24,6 @@ from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.pipeline import (
     SPLIT_BACKWARD,
-    V_SHAPED,
     PipelinedDecoder,
     split_model,
     stage_indices,
@@ -34,12 +33,12 @@ from lightning_moe.parallel.pipeline_hf import PipelinedHFModel, check_hf_pipeli
 from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
 
-def split_into_stages(model: nn.Module, dims, options: ParallelOptions, pipeline: dict,
+def split_into_stages(model: nn.Module, dims, options: ParallelOptions,
                       device: torch.device) -> tuple[nn.Module, PipelineRunner]:
-    """This rank's stages of ``model``, each parallelized, and their runner. ``pipeline``: the strategy's
-    ``vp``, ``pp_schedule`` and ``pp_layout``."""
+    """This rank's stages of ``model``, each parallelized, and their runner (``options.vp`` virtual stages per
+    rank, ``options.pp_schedule``, ``options.pp_layout``)."""
     check_splittable(model, dims.pp)
-    schedule, vp, layout = pipeline["pp_schedule"], pipeline["vp"], pipeline["pp_layout"]
+    schedule, vp, layout = options.pp_schedule, options.vp, options.pp_layout
     local = stage_indices(dims.pp_rank, dims.pp, vp, schedule)
     split = _split_decoder if isinstance(model, Decoder) else _split_hf
     pipelined, specs = split(model, dims, options, schedule, vp, layout, local)
@@ -63,7 +62,6 @@ def check_splittable(model: nn.Module, pp: int) -> None:
 
 
 def _split_decoder(decoder: Decoder, dims, options, schedule, vp, layout, local):
-    check_pipeline_model(decoder.config, dims, schedule, sharded=options.fsdp_applies(dims))
     specs = split_model(decoder, dims.pp * vp, layout)
     if schedule in SPLIT_BACKWARD:
         decoder.output_layer.repeatable_backward = True
@@ -79,14 +77,11 @@ def _split_decoder(decoder: Decoder, dims, options, schedule, vp, layout, local)
 
 def _split_hf(whole: HFModel, dims, options, schedule, vp, layout, local):
     name = type(whole.hf).__name__
-    if schedule in SPLIT_BACKWARD:
-        raise ValueError(f"pp_schedule={schedule!r} on the generic transformers path (model.hf): zero-bubble "
-                         f"schedules are built for native decoders only; use 1f1b or interleaved_1f1b")
     rate = expert_load_rate(whole.hf)
     if rate:
         raise ValueError(f"model.bias_update_rate={rate} with pp={dims.pp}: the generic path's expert-bias updates "
                          f"count loads over all ranks, not per pipeline stage; use pp=1")
-    refuse_unsupported(TRANSFORMERS, name, dims, options)  # pipelines with cp, tp or compile there
+    refuse_unsupported(TRANSFORMERS, name, dims, options)  # pipelines with cp, tp, compile or zero-bubble there
     check_hf_pipeline(whole)
     if dims.ep > 1:  # on the whole model: a stage may hold no experts
         check_hf_expert_parallel(whole.hf, dims.ep)
@@ -103,14 +98,3 @@ def _held_elsewhere(whole: nn.Module, held: nn.Module) -> frozenset[str]:
         return {name.replace(".base_layer.", ".") for name in module.state_dict()}
 
     return frozenset(names(whole) - names(held))
-
-
-def check_pipeline_model(config, dims, schedule: str, sharded: bool) -> None:
-    """What the pipeline does not split yet, refused before any model is built. ``sharded``: FSDP applies (data
-    parallelism, or a mixed-precision/offload policy)."""
-    if config.tie_embeddings and schedule in V_SHAPED and (sharded or dims.tp > 1):
-        # without FSDP or TP both stages simply hold the one embedding module, whose gradient sums both uses
-        raise ValueError(f"pp_schedule={schedule!r} with tie_embeddings=True and "
-                         f"{'FSDP' if sharded else f'tp={dims.tp}'}: the first and last stages share a rank and "
-                         f"their embedding would be sharded twice; use 1f1b or interleaved_1f1b, or no data/tensor "
-                         f"parallelism within the stages")

@@ -5,7 +5,9 @@ to the module. This one takes the sizes of every dimension, validates them again
 ``setup_environment``), the model (in ``parallelize``, called by the module's ``configure_model``) and the
 data module's row length (in ``setup``), all before the first step, and provides what the training module
 and data modules ask of a strategy: ``parallelize``, ``shard_batch``, ``loss_reduction_group``,
-``clip_grad_norm``, ``data_parallel_rank`` / ``data_parallel_size`` and ``parallel_sizes``.
+``clip_grad_norm``, ``data_parallel_rank`` / ``data_parallel_size`` and ``parallel_sizes``. Under a pipeline it
+runs the steps itself (its ``training_step`` / ``validation_step`` / ``test_step`` hand the micro-batches to the
+stages' runner), so the module has one step path.
 With gradient accumulation under HSDP, the all-reduce across replicas runs once per optimizer step
 (``block_backward_sync``).
 
@@ -122,7 +124,6 @@ class ParallelStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "ep": ep}
-        self.pipeline_options = {"vp": vp, "pp_schedule": pp_schedule, "pp_layout": pp_layout}
         self.parallel_options = ParallelOptions(
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_every=activation_checkpointing_every,
@@ -132,6 +133,9 @@ class ParallelStrategy(ModelParallelStrategy):
             reduce_dtype=dtype_option(reduce_dtype, "reduce_dtype"),
             cpu_offload=cpu_offload,
             reshard_after_forward=reshard_after_forward,
+            vp=vp,
+            pp_schedule=pp_schedule,
+            pp_layout=pp_layout,
         )
         self._parallel_dims: ParallelDims | None = None
         # the runner of this rank's pipeline stages, set when the model is built (parallel/pipeline_runner.py)
@@ -197,9 +201,54 @@ class ParallelStrategy(ModelParallelStrategy):
         if self.pipeline_parallel:
             check_splittable(model, self._sizes["pp"])
             model, self.pipeline = split_into_stages(model, self.parallel_dims, self.parallel_options,
-                                                     self.pipeline_options, self.root_device)
+                                                     self.root_device)
             return model
         return parallelize(model, self.parallel_dims, self.parallel_options)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under a pipeline the runner keeps each micro-batch, and the step's last one runs the schedule (every
+        forward and backward), whose loss sums the module takes (``add_sums``). Lightning's backward gets a zero
+        unconnected to the model (it refuses None on several ranks)."""
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        with self.precision_plugin.train_step_context():
+            sums = self.pipeline.add(self.shard_batch(args[0]), module.trainer.accumulate_grad_batches)
+            if sums is not None:
+                module.add_sums(sums)
+            return torch.zeros((), device=self.pipeline.device, requires_grad=True)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined_evaluation(self.precision_plugin.val_step_context(), args[0])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined_evaluation(self.precision_plugin.test_step_context(), args[0])
+
+    def _pipelined_evaluation(self, context, batch: dict) -> None:
+        """The stages run in order (no schedule, no backward); the module takes the batch's loss sums."""
+        with context:
+            self.lightning_module.add_sums(self.pipeline.evaluate(self.shard_batch(batch)), evaluation=True)
+
+    @property
+    def averaged_micro_batches(self) -> int:
+        """How many micro-batches a step's gradients are the mean of: Lightning divides each one's objective by
+        the accumulation count before its backward, a pipeline schedule backpropagates their sums."""
+        return 1 if self.pipeline is not None else self.lightning_module.trainer.accumulate_grad_batches
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            closure = self.pipeline.checked(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.pipeline is not None:
+            self.pipeline.reduce_timings()  # on every rank (a collective), for the run card
 
     def shard_batch(self, batch: dict) -> dict:
         """This rank's share of a batch: the context-parallel sequence split (identity when ``cp == 1``)."""

@@ -167,13 +167,19 @@ class SwappedBlocks(GradProbe):
 
 
 class DroppedMicroBatch(GradProbe):
-    """A broken pipeline: the last micro-batch of every step loses its labels (contributes nothing)."""
+    """A broken pipeline: the last micro-batch of every step loses its labels (contributes nothing). The batch is
+    changed on arrival: under a pipeline the strategy, not ``training_step``, runs the step."""
 
-    def training_step(self, batch, batch_idx):
-        if batch_idx % self.trainer.accumulate_grad_batches == self.trainer.accumulate_grad_batches - 1:
-            # new labels: the batch's host layout, which describes the collated ones, goes
-            batch = {**{k: v for k, v in batch.items() if k != "layout"}, "labels": torch.full_like(batch["labels"], -100)}
-        return super().training_step(batch, batch_idx)
+    training_batches = 0
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer.training:
+            self.training_batches += 1
+            if self.training_batches % self.trainer.accumulate_grad_batches == 0:
+                # new labels: the batch's host layout, which describes the collated ones, goes
+                batch = {**{k: v for k, v in batch.items() if k != "layout"},
+                         "labels": torch.full_like(batch["labels"], -100)}
+        return batch
 
 
 class IgnoredActivations(GradProbe):

@@ -10,6 +10,7 @@ without processes."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pipeline_cases
 import pytest
@@ -228,17 +229,19 @@ def test_sizes_that_do_not_fit_fail_with_what_fits():
     with pytest.raises(ValueError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 2\*1\*2\*1\*1 = 4 != world size 8"):
         ParallelDims(pp=2, dp_shard=2, world_size=8)
     assert ParallelDims(pp=2, ep=2, world_size=8).dp_shard == 4
-    assert ParallelStrategy(pp=2, vp=2).pipeline_options["pp_schedule"] == "interleaved_1f1b"
+    assert ParallelStrategy(pp=2, vp=2).parallel_options.pp_schedule == "interleaved_1f1b"
     assert stage_indices(1, 4, 2, "interleaved_1f1b") == [1, 5]
     assert stage_indices(1, 4, 2, "zbv") == [1, 6]
-    from lightning_moe.parallel.pipeline_stages import check_pipeline_model
+    from lightning_moe.parallel.native import NATIVE
 
-    tied = tiny_config("gpt_oss_like")
-    check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=False)
-    with pytest.raises(ValueError, match="tie_embeddings=True and FSDP: the first and last stages share a rank"):
-        check_pipeline_model(tied, ParallelDims(pp=2, world_size=2), "zbv", sharded=True)
-    with pytest.raises(ValueError, match="tie_embeddings=True and tp=2"):
-        check_pipeline_model(tied, ParallelDims(pp=2, tp=2, world_size=4), "dualpipev", sharded=False)
+    tied = SimpleNamespace(config=tiny_config("gpt_oss_like"))
+    v = {"vp": 2, "pp_schedule": "zbv"}
+    NATIVE.check(tied, ParallelDims(pp=2, world_size=2), ParallelOptions(**v))
+    with pytest.raises(ValueError, match="pp_schedule='zbv' with tie_embeddings=True with FSDP: .*, whose V "
+                                         "schedules put the first and last stages on one rank"):
+        NATIVE.check(tied, ParallelDims(pp=2, world_size=2), ParallelOptions(**v, cpu_offload=True))
+    with pytest.raises(ValueError, match="pp_schedule='dualpipev' with tie_embeddings=True with tp=2: "):
+        NATIVE.check(tied, ParallelDims(pp=2, tp=2, world_size=4), ParallelOptions(vp=2, pp_schedule="dualpipev"))
 
 
 def test_generic_path_stages_views_and_refusals(tmp_path):
@@ -274,9 +277,9 @@ def test_generic_path_stages_views_and_refusals(tmp_path):
     from lightning_moe.parallel.pipeline_stages import split_into_stages
 
     for schedule, vp, options, message in [
-        ("zbv", 2, {}, "zero-bubble schedules are built for native decoders only"),
+        ("zbv", 2, {}, "pp_schedule='zbv': Qwen3MoeForCausalLM runs through transformers .*zero-bubble"),
         ("1f1b", 1, {"compile": True}, "compile=True with pp=2: Qwen3MoeForCausalLM runs through transformers"),
     ]:
         with pytest.raises(ValueError, match=message):
-            split_into_stages(meta("qwen3_moe"), ParallelDims(pp=2, world_size=2), ParallelOptions(**options),
-                              {"vp": vp, "pp_schedule": schedule, "pp_layout": None}, "cpu")
+            split_into_stages(meta("qwen3_moe"), ParallelDims(pp=2, world_size=2),
+                              ParallelOptions(vp=vp, pp_schedule=schedule, **options), "cpu")

@@ -95,18 +95,18 @@ def check_pipeline(config: ModelConfig, args: dict, dims: ParallelDims, micro_ba
     """What the pipeline checks before the first step: the model splits into pp x vp stages and each step has
     enough micro-batches for the schedule."""
     from lightning_moe.models.decoder import Decoder
+    from lightning_moe.parallel.native import NATIVE
     from lightning_moe.parallel.options import ParallelOptions
     from lightning_moe.parallel.pipeline import check_schedule, default_schedule, split_model
-    from lightning_moe.parallel.pipeline_stages import check_pipeline_model
     from lightning_moe.parallel.splits import check_micro_batches
 
     vp = args.get("vp", 1)
-    check_schedule(args.get("pp_schedule") or default_schedule(vp), dims.pp, vp)
-    check_pipeline_model(config, dims, args.get("pp_schedule") or default_schedule(vp),
-                         sharded=ParallelOptions(param_dtype=args.get("param_dtype"),
-                                                 cpu_offload=args.get("cpu_offload", False)).fsdp_applies(dims))
+    schedule = args.get("pp_schedule") or default_schedule(vp)
+    check_schedule(schedule, dims.pp, vp)
     with torch.device("meta"):
         model = Decoder(config)
+    NATIVE.check(model, dims, ParallelOptions(param_dtype=args.get("param_dtype"),
+                                              cpu_offload=args.get("cpu_offload", False), vp=vp, pp_schedule=schedule))
     stages = split_model(model, dims.pp * vp, args.get("pp_layout"))
     assert len(stages) == dims.pp * vp
     check_micro_batches(micro_batches, dims.pp)
