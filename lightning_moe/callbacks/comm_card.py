@@ -24,14 +24,14 @@ def comm_bytes_per_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> d
     rows = getattr(data, "micro_batch_size", None)
     if dims is None or not isinstance(config, ModelConfig) or length is None or not rows:
         return None
-    options, pipeline = trainer.strategy.parallel_options, trainer.strategy.pipeline_options
-    # under a pipeline the accumulated micro-batches are the schedule's (``modules/pipeline_step.py``)
+    options = trainer.strategy.parallel_options
+    # under a pipeline the accumulated micro-batches are the schedule's (the runner collects them)
     shape = StepShape(rows=rows, seq_len=length.tokens, micro_batches=trainer.accumulate_grad_batches,
                       dtype=next(pl_module.model.parameters()).dtype, param_dtype=options.param_dtype,
                       reduce_dtype=options.reduce_dtype,
                       activation_checkpointing=options.activation_checkpointing,
                       activation_checkpointing_every=options.activation_checkpointing_every,
-                      pipeline_schedule=pipeline["pp_schedule"], pipeline_layout=pipeline["pp_layout"])
+                      pipeline_schedule=options.pp_schedule, pipeline_layout=options.pp_layout)
     try:
         counts = model_comm_bytes(config, dims, shape, pp_rank=dims.pp_rank)
     except NotImplementedError as error:
