@@ -1,9 +1,10 @@
 """What a block kind is: one record per mixer / feed-forward kind (DESIGN "A block kind is one record").
 
-A pattern symbol (``models/config.py``) names a kind, attention's by ``attention.type`` as well (``*`` is GQA or
-MLA). The record says how the decoder builds the op and under which attribute, whether it mixes the sequence,
-its forward FLOPs (``models/block_flops.py``), what tensor parallelism splits and what it leaves replicated,
-the sizes a split needs, and how context parallelism treats it. The decoder, the config's checks, the FLOP
+A pattern symbol (``ModelConfig.pattern``) names a kind, attention's by ``attention.type`` as well (``*`` is GQA
+or MLA). The record says the sub-config the kind reads and what else it needs of the config, how the decoder
+builds the op and under which attribute, whether it mixes the sequence, its forward FLOPs
+(``models/block_flops.py``), what tensor parallelism splits and what it leaves replicated, the sizes a split
+needs, and how context parallelism treats it. The decoder, the config's checks, the FLOP
 count, tensor and context parallelism, the pipeline's balance and the memory estimate read these records;
 nothing else tests pattern symbols. A new kind is one layer file plus one record here.
 """
@@ -72,7 +73,9 @@ class TensorSplit:
 
 @dataclass(frozen=True)
 class BlockKind:
-    """One block kind. ``build(config, attention_index)`` makes its op; ``check_tensor_split(config, tp)`` and
+    """One block kind. ``config_key``: the sub-config of ``ModelConfig`` its op reads, which a pattern with the
+    kind needs set; ``check_config(config)`` raises what else the kind needs of a config (run by its validation).
+    ``build(config, attention_index)`` makes its op; ``check_tensor_split(config, tp)`` and
     ``check_context_split(config, cp)`` raise a one-line message naming the config key a split cannot divide;
     ``experts``: the submodule of routed experts, which expert parallelism splits;
     ``traded_heads(config)`` is ``(config key, count, what a rank scans)`` for ops that trade tokens for whole
@@ -91,6 +94,8 @@ class BlockKind:
     check_context_split: Callable[[ModelConfig, int], None] | None = None
     traded_heads: Callable[[ModelConfig], tuple[str, int, str]] | None = None
     experts: str | None = None
+    config_key: str | None = None
+    check_config: Callable[[ModelConfig], None] | None = None
 
     def __reduce__(self):
         # a record is a constant of this module: copies and pickles of a model refer to it by name
@@ -105,6 +110,25 @@ def _attention(cls: type) -> Callable[[ModelConfig, int], nn.Module]:
                    cfg.attention.window_for(attention_index), **extra)
 
     return build
+
+
+def _check_gqa_heads(cfg: ModelConfig) -> None:
+    att = cfg.attention
+    if att.num_heads % att.num_kv_heads:
+        raise ValueError(
+            f"ModelConfig.attention: num_heads={att.num_heads} is not a multiple of num_kv_heads={att.num_kv_heads}"
+        )
+
+
+def _check_kda(cfg: ModelConfig) -> None:
+    la = cfg.linear_attention
+    la.validate()
+    if la.num_k_heads != la.num_v_heads or la.head_k_dim != la.head_v_dim:
+        raise ValueError("ModelConfig.linear_attention: KDA ('K') needs num_k_heads == num_v_heads and "
+                         f"head_k_dim == head_v_dim, got {la.num_k_heads}/{la.num_v_heads} heads, "
+                         f"{la.head_k_dim}/{la.head_v_dim} dims")
+    if la.chunk_size % 16:
+        raise ValueError(f"ModelConfig.linear_attention.chunk_size={la.chunk_size}: KDA needs a multiple of 16")
 
 
 def _check_heads(cfg: ModelConfig, tp: int) -> None:
@@ -154,35 +178,45 @@ _MLP_LINEARS = (("gate_proj", "up_proj"), ("down_proj",))
 
 KINDS = (
     BlockKind("gqa", "*", "attn", True, _attention(Attention), gqa_attention_flops, _ATTENTION_SPLIT,
-              "attend", _check_heads, _check_attention_backend),
+              "attend", _check_heads, _check_attention_backend, config_key="attention",
+              check_config=_check_gqa_heads),
     BlockKind("mla", "*", "attn", True, _attention(MLA), mla_attention_flops, _MLA_SPLIT,
-              "attend", _check_mla_tensor_split, _check_attention_backend),
+              "attend", _check_mla_tensor_split, _check_attention_backend, config_key="attention"),
     BlockKind("mamba", "M", "mamba", True, lambda cfg, i: Mamba2Mixer(cfg.mamba, cfg.hidden_size), mamba_flops,
               TensorSplit(replicated=("mamba",), trades_heads=True), "trade_heads",
-              traded_heads=lambda cfg: ("mamba.n_groups", cfg.mamba.n_groups, "whole B/C groups")),
+              traded_heads=lambda cfg: ("mamba.n_groups", cfg.mamba.n_groups, "whole B/C groups"),
+              config_key="mamba", check_config=lambda cfg: cfg.mamba.validate()),
     BlockKind("gated_deltanet", "G", "gdn", True, lambda cfg, i: GatedDeltaNet(cfg.linear_attention, cfg.hidden_size),
               gated_deltanet_flops, TensorSplit(replicated=("gdn",), trades_heads=True), "trade_heads",
               traded_heads=lambda cfg: ("linear_attention.num_k_heads", cfg.linear_attention.num_k_heads,
-                                        "whole key heads")),
+                                        "whole key heads"),
+              config_key="linear_attention", check_config=lambda cfg: cfg.linear_attention.validate()),
     BlockKind("kda", "K", "kda", True, lambda cfg, i: KimiDeltaAttention(cfg.linear_attention, cfg.hidden_size),
               kda_flops, TensorSplit(replicated=("kda",), trades_heads=True), "trade_heads",
               traded_heads=lambda cfg: ("linear_attention.num_v_heads", cfg.linear_attention.num_v_heads,
-                                        "whole heads")),
+                                        "whole heads"),
+              config_key="linear_attention", check_config=_check_kda),
     BlockKind("mlp", "-", "mlp", False,
               lambda cfg, i: MLP(cfg.hidden_size, cfg.mlp.intermediate_size, cfg.mlp.activation, cfg.mlp.bias),
               mlp_flops, TensorSplit(gathered=(Linears("mlp", *_MLP_LINEARS),)),
-              check_tensor_split=_check_mlp_width),
+              check_tensor_split=_check_mlp_width, config_key="mlp"),
     BlockKind("moe", "E", "moe", False, lambda cfg, i: MoE(cfg.moe, cfg.hidden_size), moe_flops,
               TensorSplit(gathered=(Linears("moe.shared_experts", *_MLP_LINEARS),),
                           replicated=("moe.router", "moe.fc1_latent_proj", "moe.fc2_latent_proj",
                                       "moe.shared_expert_gate"),
                           shard_loss=True),
-              check_tensor_split=_check_shared_experts_width, experts="moe.experts"),
+              check_tensor_split=_check_shared_experts_width, experts="moe.experts", config_key="moe",
+              check_config=lambda cfg: cfg.moe.validate()),
 )
 
 
 def kind_named(name: str) -> BlockKind:
     return next(kind for kind in KINDS if kind.name == name)
+
+
+def symbol_names() -> dict[str, str]:
+    """Each pattern symbol and the kinds it names (``"gqa/mla"`` for attention)."""
+    return {kind.symbol: "/".join(each.name for each in KINDS if each.symbol == kind.symbol) for kind in KINDS}
 
 
 def block_kind(cfg: ModelConfig, symbol: str, attention_index: int) -> BlockKind:

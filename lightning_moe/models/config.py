@@ -1,17 +1,10 @@
 """Model configuration: one dataclass tree that describes every supported architecture.
 
-A model is a *layer pattern* over a small set of blocks (see DESIGN "One decoder, many families"):
-
-    ``*`` attention (GQA, or MLA when ``attention.type == "mla"``)
-    ``M`` Mamba-2 mixer
-    ``G`` Gated DeltaNet (gated delta rule, one decay per head: Qwen3-Next, Qwen3.5)
-    ``K`` Kimi Delta Attention (gated delta rule, one decay per key channel: Kimi-Linear)
-    ``-`` dense MLP
-    ``E`` mixture of experts
-
-Each symbol is one pre-norm residual block, so Llama's 4 layers are ``"*-*-*-*-"`` and a Nemotron-H
-pattern such as ``"MEM*E"`` maps one symbol to one hub layer. Family files translate Hugging Face
-configs into this tree; nothing here knows about any particular hub checkpoint.
+A model is a *layer pattern* over a small set of blocks (see DESIGN "One decoder, many families"): each
+symbol is one pre-norm residual block of the kind whose record (``models/blocks.py``) has that symbol, so
+Llama's 4 layers are ``"*-*-*-*-"`` and a Nemotron-H pattern such as ``"MEM*E"`` maps one symbol to one hub
+layer. The records also say which sub-config a kind reads and what else it needs of the config. Family files
+translate Hugging Face configs into this tree; nothing here knows about any particular hub checkpoint.
 """
 
 from __future__ import annotations
@@ -21,10 +14,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-BLOCK_SYMBOLS = {"*": "attention", "M": "mamba", "G": "gated_deltanet", "K": "kda", "-": "mlp", "E": "moe"}
-# the sub-config each symbol's blocks read (attention's is always set); the blocks themselves: models/blocks.py
-BLOCK_CONFIG_KEYS = {"-": "mlp", "E": "moe", "M": "mamba", "G": "linear_attention", "K": "linear_attention"}
 
 
 @dataclass
@@ -179,12 +168,18 @@ class MambaConfig:
     time_step_floor: float = 1e-4
     norm_eps: float = 1e-5
 
+    def validate(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"ModelConfig.mamba: num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}"
+            )
+
 
 @dataclass
 class LinearAttentionConfig:
-    """Gated DeltaNet (``G``) and Kimi Delta Attention (``K``): short conv, L2-normed queries and keys, the gated
-    delta rule (chunked), gated RMSNorm. GDN: each of ``num_k_heads`` query/key heads serves
-    ``num_v_heads / num_k_heads`` value heads; KDA: as many key as value heads, of one size."""
+    """The linear-attention mixers (gated delta rule): short conv, L2-normed queries and keys, the gated delta
+    rule (chunked), gated RMSNorm. Each of ``num_k_heads`` query/key heads serves ``num_v_heads / num_k_heads``
+    value heads; a kind that needs more says so in its record's ``check_config``."""
 
     num_k_heads: int = 4
     num_v_heads: int = 8
@@ -196,16 +191,10 @@ class LinearAttentionConfig:
     # torch: the chunked algorithm of ``layers/delta_rule.py``; fla: flash-linear-attention's GPU kernels
     backend: Literal["torch", "fla"] = "torch"
 
-    def validate(self, symbols: str) -> None:
+    def validate(self) -> None:
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"ModelConfig.linear_attention: num_v_heads={self.num_v_heads} is not a multiple of "
                              f"num_k_heads={self.num_k_heads}")
-        if "K" in symbols and (self.num_k_heads != self.num_v_heads or self.head_k_dim != self.head_v_dim):
-            raise ValueError("ModelConfig.linear_attention: KDA ('K') needs num_k_heads == num_v_heads and "
-                             f"head_k_dim == head_v_dim, got {self.num_k_heads}/{self.num_v_heads} heads, "
-                             f"{self.head_k_dim}/{self.head_v_dim} dims")
-        if "K" in symbols and self.chunk_size % 16:
-            raise ValueError(f"ModelConfig.linear_attention.chunk_size={self.chunk_size}: KDA needs a multiple of 16")
 
 
 @dataclass
@@ -268,22 +257,24 @@ class ModelConfig:
         patterns = {"pattern": self.pattern}
         if self.mtp is not None and self.mtp.num_layers > 0:
             patterns["mtp.pattern"] = self.mtp.pattern
+        # the records import this module: read them at call time
+        from lightning_moe.models.blocks import model_kinds, symbol_names
+
+        allowed = symbol_names()
         for where, pattern in patterns.items():
-            unknown = sorted(set(pattern) - set(BLOCK_SYMBOLS))
+            unknown = sorted(set(pattern) - set(allowed))
             if unknown:
-                raise ValueError(
-                    f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {dict(BLOCK_SYMBOLS)}"
-                )
-        used = "".join(patterns.values())
-        for symbol, key in BLOCK_CONFIG_KEYS.items():
-            if symbol in used and getattr(self, key) is None:
-                where = "pattern" if symbol in self.pattern else "mtp.pattern"
-                raise ValueError(f"ModelConfig.{where} contains {symbol!r} but ModelConfig.{key} is not set")
+                raise ValueError(f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {allowed}")
+        kinds = model_kinds(self)
+        for kind in kinds:
+            if kind.config_key is not None and getattr(self, kind.config_key) is None:
+                where = "pattern" if kind.symbol in self.pattern else "mtp.pattern"
+                raise ValueError(f"ModelConfig.{where} contains {kind.symbol!r} but ModelConfig.{kind.config_key} "
+                                 "is not set")
+        for kind in kinds:
+            if kind.check_config is not None:
+                kind.check_config(self)
         att = self.attention
-        if "*" in used and att.type == "gqa" and att.num_heads % att.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.attention: num_heads={att.num_heads} is not a multiple of num_kv_heads={att.num_kv_heads}"
-            )
         if att.sliding_window_layers is not None:
             backbone = self.pattern.count("*")
             counts = {backbone, backbone + patterns.get("mtp.pattern", "").count("*")}
@@ -302,14 +293,6 @@ class ModelConfig:
                 raise ValueError("ModelConfig.sliding_attention applies to the blocks attention.sliding_window and "
                                  "attention.sliding_window_layers make slide: set the window there, not in "
                                  "sliding_attention")
-        if "E" in used:
-            self.moe.validate()
-        if "G" in used or "K" in used:
-            self.linear_attention.validate(used)
-        if "M" in used and self.mamba.num_heads % self.mamba.n_groups:
-            raise ValueError(
-                f"ModelConfig.mamba: num_heads={self.mamba.num_heads} is not a multiple of n_groups={self.mamba.n_groups}"
-            )
 
     @property
     def num_blocks(self) -> int:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_moe.models.block_flops import Sequences
-from lightning_moe.models.blocks import pattern_kinds
+from lightning_moe.models.blocks import model_kinds, pattern_kinds
 from lightning_moe.models.decoder import Decoder, LossOutput
 from lightning_moe.models.flops import mtp_depths, pattern_flops
 from lightning_moe.models.layers.mtp import ids_ahead
@@ -383,8 +383,7 @@ class PipelinedDecoder(Decoder):
         names = ["loss_sum", "label_tokens"]
         if not training:
             return names
-        pattern = cfg.pattern + (cfg.mtp.pattern if cfg.mtp is not None and cfg.mtp.num_layers else "")
-        if cfg.moe is not None and "E" in pattern and cfg.moe.aux_loss_coeff > 0:
+        if any(kind.experts is not None for kind in model_kinds(cfg)) and cfg.moe.aux_loss_coeff > 0:
             names.append("aux_loss")
         depths = cfg.mtp.num_layers if cfg.mtp is not None and cfg.mtp.enabled else 0
         for depth in range(1, depths + 1):

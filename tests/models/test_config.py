@@ -6,6 +6,7 @@ import pytest
 
 from lightning_moe.models.config import (
     AttentionConfig,
+    LinearAttentionConfig,
     MambaConfig,
     MLPConfig,
     ModelConfig,
@@ -33,6 +34,12 @@ def _moe(**kwargs) -> MoEConfig:
     ({"pattern": "*E", "moe": _moe(n_group=4, topk_group=5)}, "1 <= topk_group <= n_group"),
     ({"pattern": "*E", "moe": _moe(n_group=4, topk_group=1, top_k=3)}, "top_k <= topk_group \\* experts per group"),
     ({"pattern": "M-", "mamba": MambaConfig(num_heads=6, n_groups=4)}, "num_heads=6 is not a multiple of n_groups=4"),
+    ({"pattern": "G-", "linear_attention": LinearAttentionConfig(num_k_heads=4, num_v_heads=6)},
+     "num_v_heads=6 is not a multiple of num_k_heads=4"),
+    ({"pattern": "K-", "linear_attention": LinearAttentionConfig(num_k_heads=4, num_v_heads=8)},
+     r"KDA \('K'\) needs num_k_heads == num_v_heads"),
+    ({"pattern": "K-", "linear_attention": LinearAttentionConfig(num_k_heads=4, num_v_heads=4, chunk_size=24)},
+     "chunk_size=24: KDA needs a multiple of 16"),
 ])
 def test_bad_config_names_the_key(kwargs, message):
     with pytest.raises(ValueError, match=message):
