@@ -29,7 +29,7 @@ from lightning_moe.models.block_flops import (
     mlp_flops,
     moe_flops,
 )
-from lightning_moe.models.config import ModelConfig
+from lightning_moe.models.config import PATTERN_CHECKS, ModelConfig
 from lightning_moe.models.layers.attention import Attention
 from lightning_moe.models.layers.gated_deltanet import GatedDeltaNet
 from lightning_moe.models.layers.kda import KimiDeltaAttention
@@ -212,6 +212,27 @@ KINDS = (
 
 def kind_named(name: str) -> BlockKind:
     return next(kind for kind in KINDS if kind.name == name)
+
+
+def check_patterns(cfg: ModelConfig, patterns: dict[str, str]) -> None:
+    """``patterns`` (``{config key: pattern}``) use known symbols, each kind's settings are set and hold."""
+    allowed = symbol_names()
+    for where, pattern in patterns.items():
+        unknown = sorted(set(pattern) - set(allowed))
+        if unknown:
+            raise ValueError(f"ModelConfig.{where} {pattern!r}: unknown symbols {unknown}; allowed: {allowed}")
+    kinds = model_kinds(cfg)
+    for kind in kinds:
+        if kind.config_key is not None and getattr(cfg, kind.config_key) is None:
+            where = "pattern" if kind.symbol in cfg.pattern else "mtp.pattern"
+            raise ValueError(f"ModelConfig.{where} contains {kind.symbol!r} but ModelConfig.{kind.config_key} "
+                             "is not set")
+    for kind in kinds:
+        if kind.check_config is not None:
+            kind.check_config(cfg)
+
+
+PATTERN_CHECKS.append(check_patterns)
 
 
 def symbol_names() -> dict[str, str]:
