@@ -6,7 +6,8 @@ Keys are fragments of ``torch.cuda.get_device_name()``; the longest matching fra
 ``"H100 PCIe"`` beats ``"H100"`` and ``"GB200"`` beats ``"B200"``.
 
 On CPU the peak is measured: the best rate of a large square matmul in the training dtype, once per machine
-(processor, threads, torch build), cached in the user's cache folder.
+(processor, threads, torch build), cached in the user's cache folder; so is the memory bandwidth the planner's
+``cpu`` hardware row takes (:func:`cpu_memory_bandwidth`).
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ def lookup_peak_flops(device_name: str, precision: str, overrides: dict[str, flo
 
 
 CPU_PEAK_CACHE = "cpu_peak_flops.json"
+CPU_BANDWIDTH_CACHE = "cpu_memory_bandwidth.json"
 CPU_PEAK_SIZE = 2048  # a square matmul large enough to reach the BLAS kernel's steady rate
+CPU_BANDWIDTH_MIB = 128  # a copy far larger than the last-level cache
+
+
+def cpu_cache_path(name: str = CPU_PEAK_CACHE) -> Path:
+    root = os.environ.get("LIGHTNING_MOE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning_moe")
+    return Path(root) / name
 
 
 def cpu_peak_cache_path() -> Path:
-    root = os.environ.get("LIGHTNING_MOE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning_moe")
-    return Path(root) / CPU_PEAK_CACHE
+    return cpu_cache_path(CPU_PEAK_CACHE)
 
 
 def cpu_identity(dtype: torch.dtype) -> str:
@@ -89,19 +96,48 @@ def measure_cpu_peak_flops(dtype: torch.dtype, size: int = CPU_PEAK_SIZE, repeat
     return 2.0 * size**3 / best
 
 
-def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
-    """This machine's measured matmul peak in ``dtype``, measured once and cached per :func:`cpu_identity`
-    (the cache file, a JSON of ``{identity: FLOP/s}``, may be edited to pin a figure). Returns the figure and
-    where it came from."""
-    path, key = cpu_peak_cache_path(), cpu_identity(dtype)
+def _cached_measurement(path: Path, key: str, measure) -> float:
+    """``measure()`` once per ``key``, kept in ``path`` (a JSON of ``{key: figure}``, editable to pin one)."""
     try:
         cached = json.loads(path.read_text())
     except FileNotFoundError:
         cached = {}
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable CPU peak cache ({error}); delete it to measure again") from error
+        raise ValueError(f"{path}: not a readable CPU measurement cache ({error}); delete it to measure again") from error
     if key not in cached:
-        cached[key] = measure_cpu_peak_flops(dtype)
+        cached[key] = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
-    return float(cached[key]), f"measured {CPU_PEAK_SIZE}^3 matmul on this CPU (cached in {path})"
+    return float(cached[key])
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
+    """This machine's measured matmul peak in ``dtype``, measured once and cached per :func:`cpu_identity`
+    (the cache file, a JSON of ``{identity: FLOP/s}``, may be edited to pin a figure). Returns the figure and
+    where it came from."""
+    path = cpu_peak_cache_path()
+    peak = _cached_measurement(path, cpu_identity(dtype), lambda: measure_cpu_peak_flops(dtype))
+    return peak, f"measured {CPU_PEAK_SIZE}^3 matmul on this CPU (cached in {path})"
+
+
+def measure_cpu_memory_bandwidth(mib: int = CPU_BANDWIDTH_MIB, repeats: int = 3) -> float:
+    """The best of ``repeats`` timed copies of a ``mib`` MiB buffer into another on this process's threads, in
+    bytes per second (read + written)."""
+    source = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # fault the pages in
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * source.numel() * source.element_size() / best
+
+
+def cpu_memory_bandwidth() -> tuple[float, str]:
+    """This machine's measured memory bandwidth (a large tensor copy), measured once and cached per processor,
+    threads and torch build. Returns the figure and where it came from."""
+    path = cpu_cache_path(CPU_BANDWIDTH_CACHE)
+    bandwidth = _cached_measurement(path, cpu_identity(torch.float32).rsplit(" | ", 1)[0],
+                                    measure_cpu_memory_bandwidth)
+    return bandwidth, f"measured {CPU_BANDWIDTH_MIB} MiB copy on this CPU (cached in {path})"

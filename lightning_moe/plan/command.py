@@ -1,6 +1,6 @@
 """``lightning-moe plan``: will a recipe's layout fit, how fast will it run, and which layout of N GPUs is best.
 
-    lightning-moe plan --config RECIPE.yaml [--gpu h100|h200|b200|gb200|FILE.yaml] [--json OUT] [overrides]
+    lightning-moe plan --config RECIPE.yaml [--gpu h100|h200|b200|gb200|cpu|FILE.yaml] [--json OUT] [overrides]
     lightning-moe plan --config RECIPE.yaml --gpus N [--gpu ...] [--top K] [--json OUT] [overrides]
 
 The first form predicts the recipe's own layout: per-rank memory (``lightning-moe estimate``'s), the step time
@@ -80,7 +80,7 @@ def as_json(work: Workload, p: Prediction, hw: Hardware) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-moe plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the recipe YAML")
-    parser.add_argument("--gpu", default=None, help="h100, h200, b200, gb200 or a YAML file describing the GPU")
+    parser.add_argument("--gpu", default=None, help="h100, h200, b200, gb200, cpu (this machine, measured) or a YAML file describing the GPU")
     parser.add_argument("--gpus", type=int, default=None, help="search the layouts of this many GPUs")
     parser.add_argument("--top", type=int, default=3, help="layouts the search prints")
     parser.add_argument("--json", default=None, help="also write the prediction as JSON here")

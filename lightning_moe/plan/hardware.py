@@ -13,6 +13,14 @@ and per direction:
 - GB200 NVL72: HBM3e 8 TB/s; NVLink 5 900 GB/s each way across all 72 GPUs of the rack (one NVLink domain);
   400 Gb/s per GPU across racks. NVIDIA GB200 NVL72 datasheet.
 
+``cpu`` is this machine, one training process on its CPU (the CPU twins of the recipes): peak FLOP/s and
+memory bandwidth measured here and cached (``callbacks/peak_flops.py``: a square bf16 matmul, the rate MFU on CPU
+divides by, and a large tensor copy), memory the machine's RAM. One process has no links, so its NVLink and
+network bandwidths are infinite (collectives cost nothing) and its domain is one rank. Its constants are its own:
+``gemm`` is 1 (the peak *is* a large GEMM's measured rate) and ``gemm_knee`` is fitted by
+``benchmarks/plan_vs_cpu.py`` on one CPU twin (the other held out); at these toy widths the knee stands for
+the per-operation overhead of small GEMMs and the training loop as much as for the GEMMs' shape.
+
 A user's GPU is a YAML file given as ``--gpu FILE.yaml``::
 
     name: MyGPU
@@ -31,12 +39,15 @@ GB200's.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
 import yaml
 
-from lightning_moe.callbacks.peak_flops import PEAK_FLOPS
+from lightning_moe.callbacks.peak_flops import PEAK_FLOPS, cpu_memory_bandwidth, cpu_peak_flops
 from lightning_moe.estimate.command import DEVICE_MEMORY_GIB
 
 
@@ -67,6 +78,10 @@ FITTED = ("gemm", "gemm_knee", "link")
 FAMILIES: dict[str, Constants] = {
     "hopper": Constants(gemm=0.65, gemm_knee=128.0, link=1.0),
     "blackwell": Constants(gemm=0.85, gemm_knee=2048.0, link=1.0),
+    # fitted by benchmarks/plan_vs_cpu.py on the dense CPU twin (configs/tiny/dense_cp_benchmark.yaml) on a
+    # 2-thread AVX-512 server CPU (rounded), the MoE twin held out: it runs 1.5-1.8x the dense twin's time at about
+    # its FLOPs, which the model's FLOPs-and-bytes terms do not see (per-operation overhead at toy widths)
+    "cpu": Constants(gemm=1.0, gemm_knee=4500.0),
 }
 
 
@@ -102,6 +117,18 @@ def builtin_hardware() -> dict[str, Hardware]:
         "b200": _row("B200", "B200", 8.0e12, 900e9, 50e9, 8, "blackwell", "NVIDIA DGX B200 datasheet"),
         "gb200": _row("GB200", "GB200", 8.0e12, 900e9, 50e9, 72, "blackwell", "NVIDIA GB200 NVL72 datasheet"),
     }
+
+
+def cpu_hardware() -> Hardware:
+    """This machine's CPU as one training process: its measured bf16 matmul peak and memory bandwidth (cached),
+    its RAM, no links."""
+    peak, peak_source = cpu_peak_flops(torch.bfloat16)
+    bandwidth, bandwidth_source = cpu_memory_bandwidth()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return Hardware(name=f"CPU ({torch.get_num_threads()} threads)", peak_flops={"bf16": peak}, memory_gib=ram,
+                    hbm_bytes_per_s=bandwidth, nvlink_bytes_per_s=math.inf, network_bytes_per_s=math.inf,
+                    nvlink_domain=1, constants=FAMILIES["cpu"], family="cpu",
+                    source=f"{peak_source}; {bandwidth_source}")
 
 
 REQUIRED = ("peak_flops", "memory_gib", "hbm_bytes_per_s", "nvlink_bytes_per_s", "network_bytes_per_s",
@@ -146,12 +173,14 @@ def hardware_named(name: str) -> Hardware:
     table = builtin_hardware()
     if name.lower() in table:
         return table[name.lower()]
+    if name.lower() == "cpu":
+        return cpu_hardware()
     path = Path(name)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise ValueError(f"--gpu {name}: no such hardware file")
         return load_hardware_yaml(path)
-    raise ValueError(f"--gpu {name!r}: unknown GPU; use one of {', '.join(table)} or a YAML file describing it "
+    raise ValueError(f"--gpu {name!r}: unknown GPU; use one of {', '.join(table)}, cpu or a YAML file describing it "
                      f"({', '.join(REQUIRED)})")
 
 

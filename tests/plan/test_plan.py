@@ -149,3 +149,15 @@ def test_cli_json(tmp_path):
     assert data["fits"] is True and data["step_time_s"] > 0
     assert data["step_time_s"] == pytest.approx(sum(data["time"].values()))
     assert torch.isfinite(torch.tensor(data["mfu"]))
+
+
+def test_cpu_hardware_predicts_a_step(capsys, monkeypatch, tmp_path):
+    """``--gpu cpu``: this machine's measured peak and bandwidth (cached in a folder of the test's own), one
+    process with no links, a positive step time."""
+    monkeypatch.setenv("LIGHTNING_MOE_CACHE", str(tmp_path))
+    out = tmp_path / "plan.json"
+    assert plan_main(["--config", RECIPE, "--gpu", "cpu", "--json", str(out), "--trainer.devices", "1"]) == 0
+    assert "Hardware: CPU" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["step_time_s"] > 0 and result["world_size"] == 1 and result["fits"]
+    assert sorted(p.name for p in tmp_path.glob("cpu_*.json")) == ["cpu_memory_bandwidth.json", "cpu_peak_flops.json"]
