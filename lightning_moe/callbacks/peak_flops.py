@@ -62,18 +62,14 @@ CPU_PEAK_SIZE = 2048  # a square matmul large enough to reach the BLAS kernel's 
 CPU_BANDWIDTH_MIB = 128  # a copy far larger than the last-level cache
 
 
-def cpu_cache_path(name: str = CPU_PEAK_CACHE) -> Path:
+def cpu_cache_path(name: str) -> Path:
     root = os.environ.get("LIGHTNING_MOE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning_moe")
     return Path(root) / name
 
 
-def cpu_peak_cache_path() -> Path:
-    return cpu_cache_path(CPU_PEAK_CACHE)
-
-
-def cpu_identity(dtype: torch.dtype) -> str:
-    """What a measured CPU peak depends on: processor, threads, vector capability, torch build and dtype."""
+def cpu_machine() -> str:
+    """What a measurement on this CPU depends on: processor, threads, vector capability and torch build."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -81,7 +77,12 @@ def cpu_identity(dtype: torch.dtype) -> str:
     except OSError:
         pass
     return (f"{model} | threads {torch.get_num_threads()} | {torch.backends.cpu.get_cpu_capability()} | "
-            f"torch {torch.__version__} | {str(dtype).removeprefix('torch.')}")
+            f"torch {torch.__version__}")
+
+
+def cpu_identity(dtype: torch.dtype) -> str:
+    """What a measured CPU peak depends on: :func:`cpu_machine` and the dtype."""
+    return f"{cpu_machine()} | {str(dtype).removeprefix('torch.')}"
 
 
 def measure_cpu_peak_flops(dtype: torch.dtype, size: int = CPU_PEAK_SIZE, repeats: int = 3) -> float:
@@ -115,7 +116,7 @@ def cpu_peak_flops(dtype: torch.dtype) -> tuple[float, str]:
     """This machine's measured matmul peak in ``dtype``, measured once and cached per :func:`cpu_identity`
     (the cache file, a JSON of ``{identity: FLOP/s}``, may be edited to pin a figure). Returns the figure and
     where it came from."""
-    path = cpu_peak_cache_path()
+    path = cpu_cache_path(CPU_PEAK_CACHE)
     peak = _cached_measurement(path, cpu_identity(dtype), lambda: measure_cpu_peak_flops(dtype))
     return peak, f"measured {CPU_PEAK_SIZE}^3 matmul on this CPU (cached in {path})"
 
@@ -138,6 +139,5 @@ def cpu_memory_bandwidth() -> tuple[float, str]:
     """This machine's measured memory bandwidth (a large tensor copy), measured once and cached per processor,
     threads and torch build. Returns the figure and where it came from."""
     path = cpu_cache_path(CPU_BANDWIDTH_CACHE)
-    bandwidth = _cached_measurement(path, cpu_identity(torch.float32).rsplit(" | ", 1)[0],
-                                    measure_cpu_memory_bandwidth)
+    bandwidth = _cached_measurement(path, cpu_machine(), measure_cpu_memory_bandwidth)
     return bandwidth, f"measured {CPU_BANDWIDTH_MIB} MiB copy on this CPU (cached in {path})"

@@ -49,6 +49,16 @@ def mtp_depths(cfg: ModelConfig) -> int:
     return mtp.num_layers if mtp is not None and mtp.enabled else 0
 
 
+def mtp_projection_flops(cfg: ModelConfig, tokens: float) -> float:
+    """Forward FLOPs of one MTP depth's ``eh_proj`` (embedding and hidden state, concatenated, to hidden)."""
+    return 2.0 * tokens * (2 * cfg.hidden_size) * cfg.hidden_size
+
+
+def output_layer_flops(cfg: ModelConfig, tokens: float) -> float:
+    """Forward FLOPs of the output layer scoring ``tokens`` tokens (one head)."""
+    return 2.0 * cfg.hidden_size * cfg.vocab_size * tokens
+
+
 def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int] | None = None) -> ForwardFlops:
     """Forward FLOPs of the whole model over ``seqs``.
 
@@ -60,12 +70,11 @@ def forward_flops(cfg: ModelConfig, seqs: Sequences, output_tokens: Sequence[int
         output_tokens = [seqs.tokens] * (1 + depths)
     if len(output_tokens) != 1 + depths:
         raise ValueError(f"output_tokens has {len(output_tokens)} entries, the model has {1 + depths} output heads")
-    hidden = cfg.hidden_size
     total = pattern_flops(cfg, cfg.pattern, seqs)
     for _ in range(depths):
-        total += ForwardFlops(weights=2.0 * seqs.tokens * (2 * hidden) * hidden)  # eh_proj
+        total += ForwardFlops(weights=mtp_projection_flops(cfg, seqs.tokens))
         total += pattern_flops(cfg, cfg.mtp.pattern, seqs, cfg.pattern.count("*"))
-    return total + ForwardFlops(weights=2.0 * hidden * cfg.vocab_size * sum(output_tokens))
+    return total + ForwardFlops(weights=output_layer_flops(cfg, sum(output_tokens)))
 
 
 def output_token_counts(cfg: ModelConfig, position_ids: torch.Tensor, labels: torch.Tensor) -> list[int]:

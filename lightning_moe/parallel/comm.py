@@ -51,9 +51,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_moe.models.blocks import submodule
+from lightning_moe.models.blocks import model_kinds, submodule
 from lightning_moe.models.config import ModelConfig
 from lightning_moe.models.decoder import Decoder
+from lightning_moe.models.flops import mtp_depths
 from lightning_moe.models.layers.moe import MoE
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.pipeline import hold_parts, split_model
@@ -96,12 +97,9 @@ def check_counted(config: ModelConfig, dims, shape: StepShape) -> None:
         refuse(f"pp={dims.pp} with dp_replicate={dims.dp_replicate}")
     if dims.dp_replicate > 1 and dims.ep > 1:
         refuse(f"dp_replicate={dims.dp_replicate} with ep={dims.ep}")
-    with torch.device("meta"):
-        model = Decoder(config)
     if config.mtp is not None and (dims.tp > 1 or dims.cp > 1):
         refuse(f"MTP with tp={dims.tp}, cp={dims.cp}")
-    for block in model.layers.values():  # the MTP depths' blocks are refused above where it matters
-        kind = block.kind
+    for kind in model_kinds(config):
         if dims.tp > 1 and (kind.tensor.local is not None or kind.tensor.trades_heads):
             refuse(f"tensor parallelism of {kind.name} blocks")
         if dims.cp > 1 and kind.context is not None and kind.name != "gqa":
@@ -200,8 +198,9 @@ def _tensor(model: Decoder, dims, shape: StepShape, total: dict, tp_split: dict[
     total[("all_reduce", "tp")] += m * (CE_STATISTICS * labels + aux_means) * _element_size(torch.float32)
     replicated = sum(p.numel() for p in model.parameters()
                      if id(p) not in tp_split and not (dims.ep > 1 and id(p) in expert_ids))
-    # in the unsharded gradients' dtype, before FSDP reduces them
-    with_fsdp = dims.dp_shard * dims.dp_replicate * dims.cp > 1
+    # in the unsharded gradients' dtype; FSDP sums them while it reduces (every micro-batch), else
+    # ``tensor.sum_partial_gradients`` once per step: the rule of ``ParallelOptions.fsdp_applies``
+    with_fsdp = dims.fsdp_enabled or shape.param_dtype is not None
     total[("all_reduce", "tp")] += (m if with_fsdp else 1) * replicated * act
 
 
@@ -258,8 +257,7 @@ def _pipeline(model: Decoder, dims, shape: StepShape, total: dict, pp_rank: int)
     """Each micro-batch's hidden states (and the embeddings of the tokens ahead that MTP depths read) sent to the
     next stage, their gradients sent back to the previous one."""
     act = _element_size(shape.param_dtype or shape.dtype)
-    mtp = model.config.mtp
-    depths = mtp.num_layers if mtp is not None and mtp.enabled and mtp.num_layers else 0
+    depths = mtp_depths(model.config)
     # the hidden states between blocks: this rank's sequence shard under context and tensor (sequence) parallelism
     tokens = shape.rows * shape.seq_len // (dims.cp * dims.tp)
     sent = shape.micro_batches * (1 + depths) * tokens * model.config.hidden_size * act

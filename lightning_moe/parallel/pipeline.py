@@ -289,10 +289,6 @@ class StageModule(Decoder):
         # host layouts of the step's micro-batches, in the order the schedule runs their forwards on this stage
         self.layouts: deque = deque()
 
-    def _mtp_depths(self) -> int:
-        mtp = self.config.mtp
-        return mtp.num_layers if mtp is not None and mtp.enabled and mtp.num_layers else 0
-
     def forward(self, *inputs: torch.Tensor, token_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None):
         if not self.metadata_pass_pending:
@@ -321,7 +317,7 @@ class StageModule(Decoder):
         if self.norm is not None:
             return self._objective(out)
         if self.spec.embedding:  # the embeddings of the tokens ahead that the MTP depths read
-            ahead = [self.embed(ids) for ids in ids_ahead(token_ids, layout, self._mtp_depths())]
+            ahead = [self.embed(ids) for ids in ids_ahead(token_ids, layout, mtp_depths(self.config))]
         sums: dict[str, torch.Tensor] = {}
         aux = self._collect_aux_loss()
         if aux is not None:  # into backward with the hidden states sent
@@ -385,8 +381,7 @@ class PipelinedDecoder(Decoder):
             return names
         if any(kind.experts is not None for kind in model_kinds(cfg)) and cfg.moe.aux_loss_coeff > 0:
             names.append("aux_loss")
-        depths = cfg.mtp.num_layers if cfg.mtp is not None and cfg.mtp.enabled else 0
-        for depth in range(1, depths + 1):
+        for depth in range(1, mtp_depths(cfg) + 1):
             names += [f"mtp_{depth}_loss_sum", f"mtp_{depth}_tokens"]
         return names
 

@@ -41,7 +41,7 @@ from lightning_moe.estimate.recipe import RecipeLayout
 from lightning_moe.models.block_flops import Sequences, feed_forward_flops
 from lightning_moe.models.blocks import pattern_kinds
 from lightning_moe.models.decoder import Decoder
-from lightning_moe.models.flops import forward_flops, mtp_depths
+from lightning_moe.models.flops import forward_flops, mtp_depths, mtp_projection_flops, output_layer_flops
 from lightning_moe.parallel.activation_checkpoint import checkpointed_blocks, repeated_blocks
 from lightning_moe.parallel.comm import StepShape, model_comm_bytes
 from lightning_moe.parallel.dims import ParallelDims
@@ -202,10 +202,10 @@ def compute_items(layout: RecipeLayout, dims: ParallelDims, rows: int, micro_bat
     depths = mtp_depths(cfg)
     if depths:
         twice = any(name.startswith("mtp.") for name in recomputed)
-        eh = 2.0 * rows * seq * (2 * cfg.hidden_size) * cfg.hidden_size
+        eh = mtp_projection_flops(cfg, rows * seq)
         add("mtp: projections", "gemm", depths * eh * (2 + trainable + twice), min(tokens, cfg.hidden_size), low)
         blocks(cfg.mtp.pattern, cfg.pattern.count("*"), [twice] * len(cfg.mtp.pattern), depths)
-    output = 2.0 * cfg.hidden_size * cfg.vocab_size * rows * seq * (1 + depths)
+    output = output_layer_flops(cfg, rows * seq) * (1 + depths)
     add("output layer", "gemm", output * (2 + trainable), min(tokens, cfg.hidden_size))
     model_flops = forward_flops(cfg, seqs).training(trainable) / n
     return list(items.values()), model_flops
@@ -216,10 +216,14 @@ def elementwise_bytes(layout: RecipeLayout, rows: int, itemsize: int) -> tuple[f
     MoE layers' copies (permute, un-permute and the experts' activations, forward and backward)."""
     cfg = layout.model
     tokens = rows * layout.seq_length / layout.world_size
-    blocks = len(cfg.pattern) + mtp_depths(cfg) * len(cfg.mtp.pattern if cfg.mtp else "")
+    depths = mtp_depths(cfg)
+    # (pattern, its first attention index, how often it runs): the backbone, then the MTP depths
+    patterns = [(cfg.pattern, 0, 1)] + ([(cfg.mtp.pattern, cfg.pattern.count("*"), depths)] if depths else [])
+    blocks = sum(len(pattern) * runs for pattern, _, runs in patterns)
     hidden, total = blocks * cfg.hidden_size * itemsize * tokens, 0.0
     if cfg.moe is not None:
-        moe_blocks = cfg.pattern.count("E") + mtp_depths(cfg) * (cfg.mtp.pattern.count("E") if cfg.mtp else 0)
+        moe_blocks = sum(runs * sum(kind.experts is not None for kind, _ in pattern_kinds(cfg, pattern, first))
+                         for pattern, first, runs in patterns)
         width = cfg.moe.latent_size or cfg.hidden_size
         total += moe_blocks * tokens * cfg.moe.top_k * (4 * width + 6 * cfg.moe.intermediate_size) * itemsize
     return hidden, total

@@ -45,25 +45,29 @@ def counted_step(dims: ParallelDims, shape: StepShape, case: str = CASE) -> dict
     return {key: value[1] for key, value in counts.items()}
 
 
-def by_ranks(counted: dict[tuple[str, str], int]) -> dict[tuple[str, tuple[int, ...]], int]:
-    """The counted bytes by the ranks of each process group: DTensor and expert parallelism's meshes may make
-    several groups over the same ranks."""
+def summed_by(sizes: dict[tuple[str, str], int], ranks_of) -> dict[tuple[str, tuple[int, ...]], int]:
+    """``{(kind, ranks): bytes}``: entries whose groups span the same ranks add up (DTensor and expert
+    parallelism's meshes may make several process groups over one set of ranks, and several mesh dimensions may
+    share them: ``ep`` and ``fsdp``)."""
     out: dict[tuple[str, tuple[int, ...]], int] = {}
-    for (kind, group), size in counted.items():
-        key = (kind, group_ranks(_resolve_process_group(group)))
+    for (kind, group), size in sizes.items():
+        key = (kind, ranks_of(group))
         out[key] = out.get(key, 0) + size
     return out
+
+
+def by_ranks(counted: dict[tuple[str, str], int]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """The counted bytes (by process group name) by the ranks of each group."""
+    return summed_by(counted, lambda name: group_ranks(_resolve_process_group(name)))
 
 
 def in_groups(by_dim: dict[tuple[str, str], int], dims: ParallelDims) -> dict[tuple[str, tuple[int, ...]], int]:
-    """The analytic count by the ranks of each mesh dimension: dimensions over the same ranks (``ep`` and
-    ``fsdp``) add up there."""
-    out: dict[tuple[str, tuple[int, ...]], int] = {}
-    for (kind, dim), size in by_dim.items():
+    """The analytic count (by mesh dimension) by the ranks of each dimension's group."""
+    def ranks_of(dim: str) -> tuple[int, ...]:
         mesh = dims.mesh(dim)  # HSDP's fsdp mesh is (replicate, shard): FSDP gathers over the shard dimension
-        key = (kind, group_ranks(mesh.get_group(mesh.ndim - 1)))
-        out[key] = out.get(key, 0) + size
-    return out
+        return group_ranks(mesh.get_group(mesh.ndim - 1))
+
+    return summed_by(by_dim, ranks_of)
 
 
 def check_counts(root: str, layouts: list[dict], pipelines: list[dict]) -> None:

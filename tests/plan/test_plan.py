@@ -101,7 +101,7 @@ def test_interleaved_pipelines_are_named_as_not_counted():
 def test_search_drops_layouts_that_do_not_fit(ep2, tmp_path):
     h100 = hardware_named("h100")
     chosen, counts = search(ep2, 2, h100, top=2)
-    assert chosen and counts["refused"] >= 0 and counts["do not fit"] == 0
+    assert chosen and counts["do not fit"] == 0
     best = chosen[0]
     rates = [c.prediction.tokens_per_s_per_gpu for c in chosen]
     assert rates == sorted(rates, reverse=True)
