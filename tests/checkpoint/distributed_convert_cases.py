@@ -3,6 +3,8 @@ layer, both with enough expert weights that memory shows), and the work every ra
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 from pathlib import Path
@@ -59,7 +61,7 @@ def deepseek_v3_hub(directory: Path) -> Path:
 
 
 def peak_rss_since_reset() -> int:
-    """Peak resident bytes since the last ``reset_peak_rss`` (VmHWM), Linux."""
+    """Peak resident bytes since the last ``start_peak_rss`` (VmHWM), Linux."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
@@ -70,8 +72,13 @@ def current_rss() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def reset_peak_rss() -> None:
+def start_peak_rss() -> int:
+    """The resident bytes a measure starts from, with the peak reset to them. Freed heap memory is returned to the
+    system first: glibc keeps freed blocks resident, and a conversion reusing them would not raise the peak."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return current_rss()
 
 
 def convert_on_every_rank(work: Path, names: list[str]) -> None:
@@ -108,8 +115,7 @@ def convert_on_every_rank(work: Path, names: list[str]) -> None:
         for step, argv in steps.items():
             dist.barrier()
             reads.clear()
-            before = current_rss()
-            reset_peak_rss()
+            before = start_peak_rss()
             assert commands.main(argv) == 0, (rank, argv)
             report[f"{name}-{step}"] = {"peak_bytes": peak_rss_since_reset() - before, "reads": list(reads)}
     (work / f"rank{rank}.json").write_text(json.dumps(report))

@@ -15,11 +15,10 @@ from distributed_convert_cases import (
     EP,
     EXPERTS,
     convert_on_every_rank,
-    current_rss,
     deepseek_v3_hub,
     nemotron_h_hub,
     peak_rss_since_reset,
-    reset_peak_rss,
+    start_peak_rss,
     warmup_hub,
 )
 from distributed_harness import run_distributed_test
@@ -47,8 +46,7 @@ def converted(tmp_path_factory) -> tuple[Path, list[dict], dict[str, int]]:
     one_process_peaks = {}
     for name, build in MODELS.items():
         build(work / f"{name}-hub")
-        before = current_rss()
-        reset_peak_rss()
+        before = start_peak_rss()
         import_hf_checkpoint(work / f"{name}-hub", work / f"{name}-native")  # the one-process conversion
         one_process_peaks[name] = peak_rss_since_reset() - before
         export_hf_checkpoint(work / f"{name}-native", work / f"{name}-one-process")
